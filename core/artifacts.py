@@ -1,0 +1,125 @@
+"""Artifact directories: the checkpoint and engine manifests, their versions, and atomic writes.
+
+Every artifact is a directory with a `config.json` that carries `format` and `format_version`; loaders refuse
+what they do not understand with a message that says how to rebuild. Writers build into a hidden temporary
+sibling and rename it into place only when complete, so an interrupted run never leaves something that
+looks finished.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .config import GenerationDefaults, Mapping, ModelConfig, QuantConfig
+from .errors import EngineError
+from .serde import from_json, read_json, write_json
+
+CHECKPOINT_FORMAT = "engine-checkpoint"
+CHECKPOINT_FORMAT_VERSION = 1
+
+# Files copied verbatim from a model directory into checkpoints and engines.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """config.json of a checkpoint directory."""
+    model: ModelConfig
+    dtype: str
+    mapping: Mapping = field(default_factory=Mapping)
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    source: dict = field(default_factory=dict)  # where it came from: path, kind ("hf" | "gguf")
+    format: str = CHECKPOINT_FORMAT
+    format_version: int = CHECKPOINT_FORMAT_VERSION
+
+    @property
+    def architecture(self) -> str:
+        return self.model.architecture
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+def check_format(data: dict, path: Path, expected: str, version: int, rebuild: str) -> None:
+    if data.get("format") != expected:
+        raise EngineError(f"{path} is not an {expected} (format {data.get('format')!r}); {rebuild}")
+    if data.get("format_version") != version:
+        raise EngineError(f"{path} has {expected} format_version {data.get('format_version')!r}, this engine "
+                          f"reads version {version}; {rebuild}")
+
+
+def load_checkpoint_config(ckpt_dir: Path) -> CheckpointConfig:
+    path = Path(ckpt_dir) / "config.json"
+    if not Path(ckpt_dir).is_dir():
+        raise EngineError(f"checkpoint directory {ckpt_dir} does not exist; create it with `engine convert`")
+    data = read_json(path)
+    check_format(data, path, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION,
+                 "convert the model again with `engine convert` from this version")
+    return from_json(CheckpointConfig, data, where=str(path))
+
+
+def save_config(out_dir: Path, config) -> None:
+    write_json(Path(out_dir) / "config.json", config)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: Path, *, force: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of `out_dir`; on success it replaces `out_dir`, on any error it is removed.
+
+    An existing `out_dir` is refused unless `force`; with `force` it is replaced only once the new one is complete.
+    """
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() and not force:
+        raise EngineError(f"output directory {out_dir} already exists; pass --force to replace it or choose "
+                          "another --output-dir", usage=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EngineError(f"output path {out_dir} exists and is not a directory; choose another --output-dir",
+                          usage=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise EngineError(f"cannot create output directory next to {out_dir}: {e.strerror}") from None
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise EngineError(f"no space left while writing {out_dir} ({e.strerror}); free disk space or choose "
+                              "another --output-dir; nothing was written") from None
+        raise EngineError(f"cannot write {out_dir}: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(src_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, Path(dst_dir) / name)
+            copied.append(name)
+    return copied

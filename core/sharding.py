@@ -1,0 +1,184 @@
+"""Packing and tensor-parallel sharding of canonical tensors.
+
+Recipes yield *logical* canonical tensors, one per HF projection (`layers.3.attention.q.weight`). A checkpoint
+stores them *packed* (nano-vllm's packed_modules_mapping): q, k, v become one `attention.qkv` tensor and gate, up
+become one `mlp.gate_up` tensor, each rank holding its own slice of every part:
+
+    rank r of attention.qkv.weight          rank r of mlp.gate_up.weight
+    +----------------------------+          +-------------------------+
+    | q heads [r*H/tp, (r+1)*H/tp) |          | gate rows [r*I/tp, ...) |
+    | k heads of rank r          |          | up rows   [r*I/tp, ...) |
+    | v heads of rank r          |          +-------------------------+
+    +----------------------------+
+
+Splits (TensorRT-LLM's): column-parallel q/k/v, gate, up (dim 0); row-parallel attention.dense and mlp.down
+(dim 1); vocab-parallel lm_head (dim 0, vocabulary zero-padded to a multiple of tp); everything else replicated.
+When tp exceeds the KV heads, each rank gets a copy of KV head `r * kv_heads // tp`.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .config import ModelConfig
+from .errors import EngineError
+
+# logical suffix -> (packed suffix, part index, number of parts)
+PACKED = {
+    "attention.q": ("attention.qkv", 0),
+    "attention.k": ("attention.qkv", 1),
+    "attention.v": ("attention.qkv", 2),
+    "mlp.gate": ("mlp.gate_up", 0),
+    "mlp.up": ("mlp.gate_up", 1),
+}
+PARTS = {"attention.qkv": ("attention.q", "attention.k", "attention.v"), "mlp.gate_up": ("mlp.gate", "mlp.up")}
+
+# logical suffix (without ".weight"/".bias") -> split kind
+SPLITS = {
+    "attention.q": "q_heads",
+    "attention.k": "kv_heads",
+    "attention.v": "kv_heads",
+    "attention.dense": "row",
+    "mlp.gate": "column",
+    "mlp.up": "column",
+    "mlp.down": "row",
+    "lm_head": "vocab",
+}
+
+_LAYER = re.compile(r"^(layers\.\d+\.)(.+)\.(weight|bias)$")
+_TOP = re.compile(r"^()(.+)\.(weight|bias)$")
+
+
+def split_name(name: str) -> tuple[str, str, str]:
+    """'layers.3.attention.q.weight' -> ('layers.3.', 'attention.q', 'weight')."""
+    m = _LAYER.match(name) or _TOP.match(name)
+    if m is None:
+        raise ValueError(f"not a canonical tensor name: {name}")
+    return m.group(1), m.group(2), m.group(3)
+
+
+def valid_tp_sizes(model: ModelConfig) -> list[int]:
+    return [tp for tp in range(1, model.num_heads + 1) if _tp_problem(model, tp) is None]
+
+
+def _tp_problem(model: ModelConfig, tp: int) -> str | None:
+    if model.num_heads % tp:
+        return f"num_heads {model.num_heads} is not divisible by {tp}"
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        return f"num_kv_heads {model.num_kv_heads} neither divides nor is divisible by {tp}"
+    if model.intermediate_size % tp:
+        return f"intermediate_size {model.intermediate_size} is not divisible by {tp}"
+    return None
+
+
+def check_tp(model: ModelConfig, tp: int) -> None:
+    if tp < 1:
+        raise EngineError(f"--tp {tp} must be at least 1", usage=True)
+    problem = _tp_problem(model, tp)
+    if problem:
+        raise EngineError(f"--tp {tp} cannot split {model.architecture}: {problem}; tensor-parallel sizes that "
+                          f"work for this model: {', '.join(map(str, valid_tp_sizes(model)))}", usage=True)
+
+
+def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
+    return max(model.num_kv_heads // tp, 1)
+
+
+def padded_vocab_size(model: ModelConfig, tp: int) -> int:
+    return -(-model.vocab_size // tp) * tp
+
+
+def shard(name: str, tensor: torch.Tensor, model: ModelConfig, tp: int, rank: int) -> torch.Tensor:
+    """The slice of logical tensor `name` that rank `rank` of `tp` holds."""
+    if tp == 1:
+        return tensor
+    _, suffix, _ = split_name(name)
+    kind = SPLITS.get(suffix, "replicated")
+    hd = model.head_dim
+    if kind == "replicated":
+        return tensor
+    if kind == "q_heads":
+        rows = model.num_heads // tp * hd
+        return tensor[rank * rows:(rank + 1) * rows]
+    if kind == "kv_heads":
+        if model.num_kv_heads >= tp:
+            rows = model.num_kv_heads // tp * hd
+            return tensor[rank * rows:(rank + 1) * rows]
+        head = rank * model.num_kv_heads // tp
+        return tensor[head * hd:(head + 1) * hd]
+    if kind == "column":
+        return tensor.chunk(tp, dim=0)[rank]
+    if kind == "row":
+        return tensor.chunk(tp, dim=1)[rank]
+    if kind == "vocab":
+        pad = padded_vocab_size(model, tp) - tensor.shape[0]
+        if pad:
+            tensor = torch.cat([tensor, tensor.new_zeros((pad, *tensor.shape[1:]))])
+        return tensor.chunk(tp, dim=0)[rank]
+    raise AssertionError(kind)
+
+
+class Packer:
+    """Collects logical tensors of one rank and releases packed tensors as soon as all their parts arrived."""
+
+    def __init__(self):
+        self._pending: dict[str, dict[int, torch.Tensor]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        prefix, suffix, kind = split_name(name)
+        if suffix not in PACKED:
+            return [(name, tensor)]
+        packed, index = PACKED[suffix]
+        key = f"{prefix}{packed}.{kind}"
+        parts = self._pending.setdefault(key, {})
+        parts[index] = tensor
+        if len(parts) < len(PARTS[packed]):
+            return []
+        del self._pending[key]
+        return [(key, torch.cat([parts[i] for i in range(len(parts))], dim=0))]
+
+    def finish(self) -> None:
+        if self._pending:
+            raise EngineError(f"incomplete packed tensors (a part is missing in the source): {sorted(self._pending)}")
+
+
+def unpack_and_merge(ranks: list[dict[str, torch.Tensor]], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of shard + pack: the logical tensors of a model from the packed tensors of all its ranks."""
+    tp = len(ranks)
+    hd = model.head_dim
+    sizes = {
+        "attention.q": model.num_heads // tp * hd,
+        "attention.k": kv_heads_per_rank(model, tp) * hd,
+        "attention.v": kv_heads_per_rank(model, tp) * hd,
+        "mlp.gate": model.intermediate_size // tp,
+        "mlp.up": model.intermediate_size // tp,
+    }
+    per_rank: list[dict[str, torch.Tensor]] = []
+    for tensors in ranks:
+        logical = {}
+        for name, t in tensors.items():
+            prefix, suffix, kind = split_name(name)
+            if suffix in PARTS:
+                pieces = t.split([sizes[p] for p in PARTS[suffix]], dim=0)
+                logical.update({f"{prefix}{p}.{kind}": x for p, x in zip(PARTS[suffix], pieces)})
+            else:
+                logical[name] = t
+        per_rank.append(logical)
+    merged = {}
+    for name in per_rank[0]:
+        _, suffix, _ = split_name(name)
+        kind = SPLITS.get(suffix, "replicated")
+        shards = [r[name] for r in per_rank]
+        if kind == "replicated" or tp == 1:
+            merged[name] = shards[0]
+        elif kind == "kv_heads" and model.num_kv_heads < tp:
+            step = tp // model.num_kv_heads
+            merged[name] = torch.cat(shards[::step], dim=0)
+        elif kind == "row":
+            merged[name] = torch.cat(shards, dim=1)
+        else:
+            merged[name] = torch.cat(shards, dim=0)
+        if kind == "vocab":
+            merged[name] = merged[name][:model.vocab_size]
+    return merged

@@ -1,0 +1,23 @@
+"""Model families: one recipe module each, registered under the exact HF architecture name.
+
+The registry is generated from the recipe classes; a family with no tiny test model fails the registry test.
+"""
+from __future__ import annotations
+
+from engine.core.errors import EngineError
+
+from .base import Recipe
+from .llama import LlamaRecipe
+
+RECIPES: dict[str, type[Recipe]] = {r.architecture: r for r in (LlamaRecipe,)}
+
+
+def recipe_for(hf_config: dict) -> Recipe:
+    archs = hf_config.get("architectures") or []
+    if len(archs) != 1:
+        raise EngineError(f"config.json names architectures {archs!r}; expected exactly one of: "
+                          f"{', '.join(sorted(RECIPES))}")
+    arch = archs[0]
+    if arch not in RECIPES:
+        raise EngineError(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(RECIPES))}")
+    return RECIPES[arch](hf_config)
