@@ -7,9 +7,16 @@ from __future__ import annotations
 from engine.core.errors import EngineError
 
 from .base import Recipe
+from .gemma2 import Gemma2Recipe
+from .gemma3 import Gemma3Recipe
 from .llama import LlamaRecipe
+from .mistral import MistralRecipe
+from .phi3 import Phi3Recipe
+from .qwen2 import Qwen2Recipe
+from .qwen3 import Qwen3Recipe
 
-RECIPES: dict[str, type[Recipe]] = {r.architecture: r for r in (LlamaRecipe,)}
+RECIPES: dict[str, type[Recipe]] = {r.architecture: r for r in (
+    LlamaRecipe, MistralRecipe, Qwen2Recipe, Qwen3Recipe, Gemma2Recipe, Gemma3Recipe, Phi3Recipe)}
 
 
 def recipe_for(hf_config: dict) -> Recipe:

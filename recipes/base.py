@@ -11,10 +11,17 @@ from typing import ClassVar, Iterable
 
 import torch
 
-from engine.core.config import GenerationDefaults, ModelConfig, RopeConfig
+from engine.core.config import ROPE_TYPES, GenerationDefaults, ModelConfig, RopeConfig
 from engine.core.errors import EngineError
 
-_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# HF hidden_act -> ours. Every entry is the same function in transformers' ACT2FN, not an approximation of it.
+_HF_ACTIVATIONS = {
+    "silu": "silu",                    # Llama, Mistral, Qwen2/3, Phi3
+    "swish": "silu",                   # older configs; nn.SiLU
+    "gelu_pytorch_tanh": "gelu_tanh",  # Gemma 2/3 (hidden_activation)
+    "gelu_python_tanh": "gelu_tanh",   # the same tanh approximation written out in Python
+    "gelu_tanh": "gelu_tanh",          # our own name, for sources (GGUF) that already speak it
+}
 
 
 class Recipe:
@@ -23,6 +30,11 @@ class Recipe:
     TENSOR_NAMES: ClassVar[dict[str, str]] = {}
     # HF tensors that carry no weights of the model (buffers saved by old transformers versions).
     IGNORED: ClassVar[tuple[str, ...]] = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+    # The family's transformers config defaults, used when config.json omits a key (hub configs written by older
+    # versions often do). A key present with null stays null: Mistral's sliding_window null means no window.
+    DEFAULTS: ClassVar[dict] = {}
+    # The config key naming the MLP activation (Gemma reads hidden_activation and ignores hidden_act).
+    ACTIVATION_KEY: ClassVar[str] = "hidden_act"
 
     def __init__(self, hf_config: dict):
         self.hf = hf_config
@@ -33,22 +45,20 @@ class Recipe:
     # ---- config -------------------------------------------------------------------------------------------
 
     def get(self, key: str, default=None):
-        value = self.hf.get(key)
+        """config.json's value, else the family's default (DEFAULTS), else `default`; null counts as absent."""
+        value = self.hf[key] if key in self.hf else self.DEFAULTS.get(key)
         return default if value is None else value
 
     def require(self, key: str):
-        if key not in self.hf or self.hf[key] is None:
+        value = self.get(key)
+        if value is None:
             raise EngineError(f"config.json of this {self.architecture} model lacks {key!r}; the model directory "
                               "is incomplete or not a Hugging Face checkpoint")
-        return self.hf[key]
+        return value
 
     def model_config(self) -> ModelConfig:
         heads = self.require("num_attention_heads")
         hidden = self.require("hidden_size")
-        act = self.get("hidden_act", self.get("hidden_activation", "silu"))
-        if act not in _HF_ACTIVATIONS:
-            raise EngineError(f"activation {act!r} of this {self.architecture} model is not supported; supported: "
-                              f"{', '.join(_HF_ACTIVATIONS)}")
         fields = dict(
             architecture=self.architecture,
             vocab_size=self.require("vocab_size"),
@@ -62,7 +72,7 @@ class Recipe:
             max_position_embeddings=self.get("max_position_embeddings", 2048),
             rope=self.rope(),
             tie_word_embeddings=bool(self.get("tie_word_embeddings", False)),
-            activation=_HF_ACTIVATIONS[act],
+            activation=self.activation(),
         )
         fields.update(self.model_config_fields())
         return ModelConfig(**fields)
@@ -70,6 +80,13 @@ class Recipe:
     def model_config_fields(self) -> dict:
         """What a family adds to or changes in the common fields."""
         return {}
+
+    def activation(self) -> str:
+        act = self.get(self.ACTIVATION_KEY, "silu")
+        if act not in _HF_ACTIVATIONS:
+            raise EngineError(f"activation {self.ACTIVATION_KEY}={act!r} of this {self.architecture} model is not "
+                              f"supported; supported: {', '.join(_HF_ACTIVATIONS)}")
+        return _HF_ACTIVATIONS[act]
 
     def rope(self, layer_type: str = "full_attention") -> RopeConfig:
         """Rotary config from either transformers 5 `rope_parameters` or the older rope_theta/rope_scaling."""
@@ -79,7 +96,19 @@ class Recipe:
         if not params:
             params = dict(self.hf.get("rope_scaling") or {})
             params.setdefault("rope_theta", self.get("rope_theta", 10000.0))
+        return self.rope_config(params)
+
+    def rope_config(self, params: dict) -> RopeConfig:
+        """RopeConfig from one HF rope parameter dict (rope_type, rope_theta, factor, ...)."""
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise EngineError(f"rope type {rope_type!r} of this {self.architecture} model is not supported; "
+                              f"supported: {', '.join(ROPE_TYPES)}")
+        partial = float(params.get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            # transformers rotates only the first head_dim * factor channels; our rotary rotates all of them
+            raise EngineError(f"partial_rotary_factor {partial} of this {self.architecture} model is not supported "
+                              "(only rotary over the whole head, factor 1.0)")
         return RopeConfig(
             theta=float(params.get("rope_theta", self.get("rope_theta", 10000.0))),
             type=rope_type,
@@ -89,17 +118,40 @@ class Recipe:
             original_max_positions=params.get("original_max_position_embeddings"),
         )
 
-    def layer_types(self, num_layers: int) -> tuple[str, ...]:
+    def hf_layer_types(self) -> list[str] | None:
+        """HF's per-layer attention kinds; a family whose transformers config derives them when absent overrides."""
+        return self.hf.get("layer_types")
+
+    def layer_types(self) -> tuple[str, ...]:
         """HF layer_types ("full_attention" / "sliding_attention") as ours; () when every layer is full."""
-        hf_types = self.hf.get("layer_types")
+        hf_types = self.hf_layer_types()
         if not hf_types:
             return ()
         names = {"full_attention": "full", "sliding_attention": "sliding"}
         unknown = sorted(set(hf_types) - set(names))
         if unknown:
-            raise EngineError(f"layer types {unknown} of this {self.architecture} model are not supported")
-        types = tuple(names[t] for t in hf_types[:num_layers])
+            raise EngineError(f"layer types {unknown} of this {self.architecture} model are not supported; "
+                              f"supported: {', '.join(names)}")
+        num_layers = self.require("num_hidden_layers")
+        if len(hf_types) != num_layers:
+            raise EngineError(f"config.json of this {self.architecture} model has {len(hf_types)} layer_types for "
+                              f"{num_layers} layers; the config is inconsistent")
+        types = tuple(names[t] for t in hf_types)
         return () if set(types) == {"full"} else types
+
+    def sliding_fields(self, types: tuple[str, ...], window: int | None) -> dict:
+        """ModelConfig's layer_types and sliding_window.
+
+        The window means the same in transformers 5.24 and in our ModelConfig, so it is copied unchanged:
+        masking_utils.sliding_window_overlay lets query q see key k when `q - window < k <= q` (with the causal
+        mask), i.e. the `window` most recent keys, the query's own included; DynamicSlidingWindowLayer likewise
+        keeps window - 1 past keys for the next token.
+        """
+        if "sliding" in types and not window:
+            raise EngineError(f"this {self.architecture} model has sliding-window layers but no sliding_window in "
+                              "config.json (transformers cannot run it either); set sliding_window or make the "
+                              "layers full_attention")
+        return {"layer_types": types, "sliding_window": int(window) if types else None}
 
     def generation_defaults(self, generation_config: dict) -> GenerationDefaults:
         def pick(key):

@@ -39,10 +39,78 @@ def _llama3_rope_tied():
         "original_max_position_embeddings": 64, "rope_theta": 500000.0}))
 
 
+# A sliding window shorter than the test prompts, so that sliding layers differ from full ones.
+WINDOW = 8
+
+
+def _mistral():
+    from transformers import MistralConfig
+    return MistralConfig(**_common(sliding_window=WINDOW))
+
+
+def _mistral_mqa():
+    # one KV head: tp 2 and 4 replicate it; no window (sliding_window null, as Mistral v0.2+)
+    from transformers import MistralConfig
+    return MistralConfig(**_common(num_key_value_heads=1, sliding_window=None))
+
+
+def _qwen2():
+    # qkv bias, tied embeddings (Qwen2.5-0.5B); sliding_window set but use_sliding_window false -> no window
+    from transformers import Qwen2Config
+    return Qwen2Config(**_common(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False,
+                                 sliding_window=WINDOW))
+
+
+def _qwen2_sliding():
+    # layers >= max_window_layers slide: layer 0 full, layer 1 sliding
+    from transformers import Qwen2Config
+    return Qwen2Config(**_common(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1))
+
+
+def _qwen3():
+    # head_dim 32 != hidden_size / heads (16), as Qwen3-0.6B: q_size 128 against hidden 64
+    from transformers import Qwen3Config
+    return Qwen3Config(**_common(head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0))
+
+
+def _gemma2():
+    # default layer_types: layer 0 sliding, layer 1 full. Larger weights and small soft-caps so that both caps
+    # change the logits (by ~0.2 and ~1.3 here); query_pre_attn_scalar != head_dim so the attention scale matters.
+    from transformers import Gemma2Config
+    return Gemma2Config(**_common(head_dim=16, tie_word_embeddings=True, sliding_window=WINDOW,
+                                  query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                  final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+                                  initializer_range=0.1))
+
+
+def _gemma3():
+    # sliding + full layers with different rotary (linear scaling on the full layers only, as gemma-3-4b)
+    from transformers import Gemma3TextConfig
+    return Gemma3TextConfig(**_common(
+        head_dim=32, tie_word_embeddings=True, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}))
+
+
+def _phi3():
+    # fused qkv_proj / gate_up_proj; GQA (Phi-3-medium) and a window on every layer (Phi-3-mini-4k)
+    from transformers import Phi3Config
+    return Phi3Config(**_common(sliding_window=WINDOW, rms_norm_eps=1e-5))
+
+
 # architecture -> config factory. Extra variants of a family use "Arch:variant" keys.
 TINY_CONFIGS = {
     "LlamaForCausalLM": _llama,
     "LlamaForCausalLM:llama3-rope-tied": _llama3_rope_tied,
+    "MistralForCausalLM": _mistral,
+    "MistralForCausalLM:mqa-no-window": _mistral_mqa,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen2ForCausalLM:sliding": _qwen2_sliding,
+    "Qwen3ForCausalLM": _qwen3,
+    "Gemma2ForCausalLM": _gemma2,
+    "Gemma3ForCausalLM": _gemma3,
+    "Phi3ForCausalLM": _phi3,
 }
 
 
@@ -67,6 +135,12 @@ def make_tiny_model(key: str, out_dir: Path, seed: int = 0) -> Path:
     config = TINY_CONFIGS[key]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # transformers initialises norm weights to 1 (Gemma: 0) and biases to 0; perturb every 1-D parameter so that
+    # a norm or bias that is dropped, misplaced or mis-offset changes the numbers.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     make_tokenizer(out_dir)
