@@ -12,10 +12,15 @@ from importlib.metadata import version
 import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from engine.core.errors import EngineError
 
-from . import convert
+from . import build, convert, inspect
+from . import run
+
+# typer >= 0.29 vendors click (its ClickException derives from typer.TyperException); older typer uses click's.
+_CLICK_ERRORS = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
 
 app = typer.Typer(
     name="engine",
@@ -42,30 +47,47 @@ def _version(value: bool):
 @app.callback()
 def _global(
     ctx: typer.Context,
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the full traceback of errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the full traceback of errors (give it before "
+                                 "the command: engine --verbose convert ...)."),
     _: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ):
     ctx.obj.verbose = verbose
 
 
 app.command("convert", no_args_is_help=True)(convert.convert_command)
+app.command("build", no_args_is_help=True)(build.build_command)
+app.command("inspect", no_args_is_help=True)(inspect.inspect_command)
+app.command("run", no_args_is_help=True)(run.run_command)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI on `argv` (default sys.argv[1:]) and exit: 0 ok, 1 failure, 2 usage error, 130 interrupted."""
     session = Session()
-    err = Console(stderr=True, highlight=False)
     try:
-        app(standalone_mode=False, obj=session)
+        rc = app(args=argv, prog_name="engine", standalone_mode=False, obj=session)
     except EngineError as e:
         if session.verbose:
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        _print_error(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
+    except _CLICK_ERRORS as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `engine` or `engine convert` alone: show the help
+            e.show()
+        else:  # a bad command line (unknown option, a value of the wrong type): one line, like EngineError
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            _print_error(e.format_message() + hint)
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        err.print("aborted")
+    except (typer.Abort, KeyboardInterrupt):
+        _print_error("interrupted")
         sys.exit(130)
+    rc = rc if isinstance(rc, int) else 0
+    if rc == 130:  # typer turns Ctrl-C inside a command into exit status 130, after the command cleaned up
+        _print_error("interrupted")
+    sys.exit(rc)
+
+
+def _print_error(message: str) -> None:
+    """One line on stderr; markup in the message (paths with [brackets]) is printed literally."""
+    one_line = " ".join(message.split())
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(one_line)}")

@@ -97,10 +97,17 @@ def atomic_output_dir(out_dir: Path, *, force: bool) -> Iterator[Path]:
         raise EngineError(f"cannot create output directory next to {out_dir}: {e.strerror}") from None
     try:
         yield tmp
+        _apply_umask(tmp)
         if out_dir.exists():
+            # two renames, not one: rename() cannot replace a non-empty directory. Between them out_dir is briefly
+            # absent, never half-written; if the second fails the old one is put back.
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
+            try:
+                os.rename(tmp, out_dir)
+            except OSError:
+                os.rename(old, out_dir)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out_dir)
@@ -113,6 +120,23 @@ def atomic_output_dir(out_dir: Path, *, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _apply_umask(root: Path) -> None:
+    """Give a finished directory the permissions a plain mkdir/open would have.
+
+    mkdtemp makes the directory 0700 and the safetensors writer creates files 0600; a checkpoint or engine is
+    meant to be read by others (a serving account, a shared cache), as the process umask allows.
+    """
+    mask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o777 & ~mask)
+        for f in filenames:
+            path = os.path.join(dirpath, f)
+            os.chmod(path, (os.stat(path).st_mode & 0o777) | (0o666 & ~mask))  # widen only; keep any x bit
 
 
 def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:

@@ -110,5 +110,5 @@ def parse_dtype(name: str) -> str:
     aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
     name = aliases.get(name, name)
     if name not in DTYPES:
-        raise EngineError(f"dtype {name!r} is not supported; use one of: auto, {', '.join(DTYPES)}", usage=True)
+        raise EngineError(f"--dtype {name!r} is not supported; use one of: auto, {', '.join(DTYPES)}", usage=True)
     return name

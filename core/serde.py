@@ -74,12 +74,20 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> dict:
+    """The JSON object in `path`; anything else (missing, unreadable, not JSON, not an object) is an EngineError."""
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         raise EngineError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise EngineError(f"cannot read {path}: {e}") from None
+    except IsADirectoryError:
+        raise EngineError(f"{path} is a directory, not a JSON file") from None
+    except OSError as e:
+        raise EngineError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise EngineError(f"{path} is not UTF-8 text; the file is corrupt") from None
     except json.JSONDecodeError as e:
         raise EngineError(f"{path} is not valid JSON ({e}); the file is corrupt or truncated") from None
+    if not isinstance(data, dict):
+        raise EngineError(f"{path} holds a JSON {type(data).__name__}, not an object; the file is corrupt")
+    return data

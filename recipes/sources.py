@@ -5,6 +5,8 @@ never holds the whole source model in memory. A GGUF file is another source (ggu
 from __future__ import annotations
 
 import json
+import pickle
+import re
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -35,12 +37,19 @@ class HFDirSource:
         if not self.path.is_dir():
             raise EngineError(f"--model-dir {self.path} is not a directory; pass a Hugging Face model directory",
                               usage=True)
+        if not (self.path / "config.json").exists():
+            raise EngineError(f"--model-dir {self.path} has no config.json; pass a Hugging Face model directory "
+                              "(config.json with *.safetensors or pytorch_model*.bin)")
         self._config = read_json(self.path / "config.json")
         self._files = self._weight_files()
         self._where: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
         for f in self._files:
             for name in self._open(f).keys():
+                if name in self._where:
+                    raise EngineError(f"tensor {name} is in both {self._where[name].name} and {f.name}; keep one "
+                                      "copy of the weights in the model directory (or add the "
+                                      "model.safetensors.index.json that says which files belong to the model)")
                 self._where[name] = f
 
     # ---- files ---------------------------------------------------------------------------------------------
@@ -120,8 +129,19 @@ class _TorchBinFile:
         try:
             self._tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # torch raises several types for corrupt zip/pickle data
-            raise EngineError(f"cannot read {path}: {e}; the file is truncated, corrupt or not a weights-only "
-                              "PyTorch checkpoint") from None
+            # torch's messages span a page of advice; keep what names the problem
+            refused = re.search(r"GLOBAL ([\w.]+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+            if refused:
+                raise EngineError(f"{path} is not a weights-only PyTorch checkpoint (it refers to {refused.group(1)}); "
+                                  "it is loaded with torch.load(weights_only=True) so that no code in it runs — "
+                                  "convert it to safetensors where you trust it, or use the model's *.safetensors"
+                                  ) from None
+            first = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]
+            raise EngineError(f"cannot read {path}: {first}; the file is truncated or corrupt — download it "
+                              "again") from None
+        if not isinstance(self._tensors, dict) or not all(isinstance(t, torch.Tensor) for t in self._tensors.values()):
+            raise EngineError(f"{path} does not hold a dict of tensors (a state_dict); save the model with "
+                              "save_pretrained")
 
     def keys(self) -> list[str]:
         return list(self._tensors)

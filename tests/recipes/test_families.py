@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from engine.core.artifacts import load_checkpoint_config
 from engine.core.errors import EngineError
-from engine.core.sharding import unpack_and_merge, valid_tp_sizes
+from engine.core.parallel import valid_tp_sizes
+from engine.core.sharding import unpack_and_merge
 from engine.recipes import recipe_for
 from engine.recipes.convert import TORCH_DTYPES, ConvertConfig, convert
 from engine.recipes.sources import HFDirSource

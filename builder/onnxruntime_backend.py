@@ -1,0 +1,64 @@
+"""The ONNX Runtime backend: serialize one rank's graph, optimize it once with ORT, save the optimized model.
+
+    Graph ──onnx.save (external data)──▶ rank0.raw.onnx (+ .data)      temporary, inside the build directory
+          ──InferenceSession(optimized_model_filepath=rank0.onnx,
+                             level=opt_level)──▶ rank0.onnx + rank0.onnx.data   kept; the raw model is deleted
+
+ORT writes the optimized graph with every initializer of at least 1 KiB into rank{N}.onnx.data
+("session.optimized_model_external_initializers_file_name"); it aligns large initializers in that file so that
+loading memory-maps them instead of reading them into the heap. Measured here (ORT 1.32, SmolLM2-135M fp32,
+539 MB of weights, a busy machine): the optimized engine loads in ~1 s, RSS 698 MB of which only 55 MB is
+anonymous — the weights stay file-backed pages shared with the page cache. The runtime loads rank{N}.onnx with
+optimizations disabled since they already ran (re-running them measured no slower on this graph, but buys
+nothing). The raw model is optimized with prepacking disabled: no kernel runs in that session.
+
+ORT's optimized models may hold hardware-specific layouts (NCHWc), so an engine is built on the kind of
+machine that runs it, like a TensorRT engine.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+OPT_LEVELS = ("disable", "basic", "extended", "all")
+MIN_EXTERNAL_BYTES = 1024
+
+
+def save_raw(model: onnx.ModelProto, path: Path) -> None:
+    """Write `model` with its weights in one external file next to it (no 2 GB protobuf limit)."""
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"{path.name}.data", size_threshold=MIN_EXTERNAL_BYTES)
+
+
+def optimize(raw: Path, out: Path, *, opt_level: str) -> None:
+    """Optimize `raw` with ORT at `opt_level` and save the result as `out` + `out`.data; deletes `raw`."""
+    import onnxruntime as ort
+
+    levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = levels[opt_level]
+    so.optimized_model_filepath = str(out)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{out.name}.data")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                str(MIN_EXTERNAL_BYTES))
+    # Nothing runs in this session: prepacking the weights would only double the build's peak memory.
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.log_severity_level = 3  # ORT warns that an ENABLE_ALL model is hardware specific; the docstring says so
+    session = ort.InferenceSession(str(raw), so, providers=["CPUExecutionProvider"])
+    del session
+    raw.unlink()
+    raw.with_name(f"{raw.name}.data").unlink(missing_ok=True)
+
+
+def op_counts(path: Path) -> dict[str, int]:
+    """Node count by op type (domain-qualified for contrib ops) of a saved model, without loading its weights."""
+    model = onnx.load(str(path), load_external_data=False)
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        key = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -1,0 +1,195 @@
+"""`engine run`: generate text from prompts with an engine directory (TensorRT-LLM's run.py, on our runtime).
+
+All prompts run together under continuous batching. Generated text goes to stdout; warnings, errors and the
+summary table (prompt / generated tokens, time to first token, decode tokens per second) go to stderr, so
+stdout can be piped.
+
+--streaming prints text as it is produced, whole UTF-8 characters only. With several prompts (which decode in
+lockstep, so token-by-token interleaving would be unreadable) each prompt's text is streamed line by line: a line
+is printed as "[i] line" as soon as prompt i completes it, and its last line when it finishes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engine.core.errors import EngineError
+
+
+def run_command(
+    engine_dir: Path = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required)."),
+    input_text: Optional[list[str]] = typer.Option(None, "--input-text", help="A prompt; repeat the flag for "
+                                                   "several prompts, which run together (default: none)."),
+    input_file: Optional[Path] = typer.Option(None, "--input-file", help="Prompts from a file: a .json list of "
+                                              "strings (or of token-id lists), else one prompt per line, blank "
+                                              "lines skipped (default: none)."),
+    max_output_len: int = typer.Option(..., "--max-output-len", help="Maximum new tokens per prompt (required; "
+                                       "clipped to max_seq_len - prompt tokens with a warning)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature (default 0 = greedy; "
+                                      "top-k / top-p / min-p apply only above 0)."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (default 0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling probability mass, in (0, 1] "
+                                "(default 1.0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability, in "
+                                "[0, 1] (default 0.0 = off)."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Divide the logits of tokens of "
+                                             "the prompt and output by this, > 0 (default 1.0 = off)."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="Subtract from the logits of "
+                                           "generated tokens, in [-2, 2] (default 0.0 = off)."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="Subtract per occurrence among "
+                                            "generated tokens, in [-2, 2] (default 0.0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed of every prompt's sampler "
+                                       "(default: none, nondeterministic)."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string; repeatable; the output is cut "
+                                             "before it (default: none)."),
+    end_id: Optional[int] = typer.Option(None, "--end-id", help="Token id that ends generation, instead of the "
+                                         "engine's eos ids (default: the engine's eos ids)."),
+    streaming: bool = typer.Option(False, "--streaming", help="Print text as it is produced, whole characters "
+                                   "only (default: off); several prompts: line by line, tagged [i]."),
+    chat: bool = typer.Option(False, "--chat", help="Send each prompt as one user message through the engine's "
+                              "chat template (default: off)."),
+    output_json: Optional[Path] = typer.Option(None, "--output-json", help="Also write the results to this JSON "
+                                               "file (default: none)."),
+    kv_cache_mem_fraction: float = typer.Option(0.5, "--kv-cache-mem-fraction", help="Fraction of available "
+                                                "memory (after weights) for the KV cache, in (0, 1] (default 0.5)."),
+    max_kv_tokens: Optional[int] = typer.Option(None, "--max-kv-tokens", help="KV cache size in tokens; "
+                                                "overrides --kv-cache-mem-fraction (default: none)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads of the engine (default: "
+                                          "onnxruntime's, all physical cores)."),
+):
+    """Generate from prompts with an engine: several prompts run together, with a summary of speeds."""
+    from engine.runtime import LLM, SamplingParams
+
+    prompts = _read_prompts(input_text, input_file)
+    if max_output_len < 1:
+        raise EngineError(f"--max-output-len {max_output_len} must be >= 1", usage=True)
+    if threads is not None and threads < 1:
+        raise EngineError(f"--threads {threads} must be >= 1", usage=True)
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
+        max_tokens=max_output_len, stop=tuple(stop or ()),
+        stop_token_ids=() if end_id is None else (end_id,), ignore_eos=end_id is not None)
+    err = Console(stderr=True, highlight=False)
+    _log_warnings_to(err)
+    llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
+              threads=threads)
+    inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if chat and isinstance(p, str) else p
+              for p in prompts]
+    start = time.monotonic()
+    outputs = {}
+    printer = _StreamPrinter(tagged=len(prompts) > 1) if streaming else None
+    for out in llm.stream(inputs, params, request_ids=(order := [])):
+        if out.finished:
+            outputs[out.request_id] = out
+        if printer is not None:
+            printer.add(order.index(out.request_id), out.delta_text, out.finished)
+    wall = time.monotonic() - start
+    results = [outputs[rid] for rid in order]
+    if printer is None:
+        for i, (p, out) in enumerate(zip(prompts, results)):
+            print(f"Input [Text {i}]: {json.dumps(p, ensure_ascii=False)}")
+            print(f"Output [Text {i}]: {json.dumps(out.text, ensure_ascii=False)}")
+    sys.stdout.flush()
+    err.print(_summary(results, wall, llm.kv_plan))
+    if output_json is not None:
+        _write_json(output_json, prompts, results)
+
+
+class _StreamPrinter:
+    """Streams deltas to stdout: as they come for one prompt; line by line, tagged "[i] ", for several."""
+
+    def __init__(self, tagged: bool):
+        self.tagged = tagged
+        self.pending: dict[int, str] = {}
+
+    def add(self, i: int, delta: str, finished: bool) -> None:
+        if not self.tagged:
+            sys.stdout.write(delta + ("\n" if finished else ""))
+        else:
+            text = self.pending.pop(i, "") + delta
+            *lines, rest = text.split("\n")
+            if finished and rest:
+                lines.append(rest)
+            elif rest:
+                self.pending[i] = rest
+            for line in lines:
+                sys.stdout.write(f"[{i}] {line}\n")
+        sys.stdout.flush()
+
+
+def _read_prompts(input_text: list[str] | None, input_file: Path | None) -> list:
+    if bool(input_text) == (input_file is not None):
+        raise EngineError("give prompts with --input-text TEXT (repeatable) or --input-file FILE, exactly one of "
+                          "them", usage=True)
+    if input_text:
+        prompts = list(input_text)
+    else:
+        try:
+            raw = input_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise EngineError(f"cannot read --input-file {input_file}: {e}") from None
+        if input_file.suffix == ".json":
+            try:
+                prompts = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise EngineError(f"--input-file {input_file} is not valid JSON: {e}") from None
+            ok = isinstance(prompts, list) and all(
+                isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompts)
+            if not ok:
+                raise EngineError(f"--input-file {input_file} must hold a JSON list of strings or of token-id lists")
+        else:
+            prompts = [line for line in raw.splitlines() if line.strip()]
+    if not prompts:
+        raise EngineError("no prompts given: the input is empty", usage=True)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise EngineError(f"prompt {i} is empty; give at least one character of text", usage=True)
+    return prompts
+
+
+def _log_warnings_to(console: Console) -> None:
+    class _Handler(logging.Handler):
+        def emit(self, record):
+            console.print(f"[yellow]warning:[/] {record.getMessage()}", markup=True, soft_wrap=True)
+    logger = logging.getLogger("engine.runtime")
+    logger.handlers = [_Handler(level=logging.WARNING)]
+    logger.propagate = False
+
+
+def _summary(results, wall: float, kv) -> Table:
+    title = (f"{len(results)} prompt(s) in {wall:.2f} s; KV cache {kv.num_tokens} tokens ({kv.num_blocks} blocks "
+             f"of {kv.tokens_per_block}, {kv.num_bytes / (1 << 20):.1f} MiB)")
+    table = Table(title=title, title_justify="left",
+                  caption="TTFT: time to first token (queueing + prefill); decode tok/s: tokens after the first, "
+                          "per second", caption_justify="left")
+    for col in ("#", "prompt tokens", "generated tokens", "finish", "TTFT (ms)", "decode tok/s"):
+        table.add_column(col, justify="right")
+    for i, out in enumerate(results):
+        ttft, tps = out.time_to_first_token, out.decode_tokens_per_second
+        table.add_row(str(i), str(out.num_prompt_tokens), str(out.num_generated_tokens), out.finish_reason or "-",
+                      "-" if ttft is None else f"{ttft * 1000:.1f}", "-" if tps is None else f"{tps:.1f}")
+    generated = sum(o.num_generated_tokens for o in results)
+    table.add_section()
+    table.add_row("all", str(sum(o.num_prompt_tokens for o in results)), str(generated), "", "",
+                  f"{generated / wall:.1f} (overall)" if wall > 0 else "-")
+    return table
+
+
+def _write_json(path: Path, prompts: list, results) -> None:
+    data = [{"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+             "stop_reason": o.stop_reason, "prompt_tokens": o.num_prompt_tokens,
+             "generated_tokens": o.num_generated_tokens, "time_to_first_token_s": o.time_to_first_token,
+             "decode_tokens_per_s": o.decode_tokens_per_second} for p, o in zip(prompts, results)]
+    try:
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise EngineError(f"cannot write --output-json {path}: {e.strerror or e}") from None

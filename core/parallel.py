@@ -1,0 +1,39 @@
+"""Tensor-parallel arithmetic on a ModelConfig: which tp sizes split a model, heads and vocabulary per rank.
+
+Plain integers only (no torch), so the runtime can use it; core/sharding.py slices the tensors.
+"""
+from __future__ import annotations
+
+from .config import ModelConfig
+from .errors import EngineError
+
+
+def valid_tp_sizes(model: ModelConfig) -> list[int]:
+    return [tp for tp in range(1, model.num_heads + 1) if _tp_problem(model, tp) is None]
+
+
+def _tp_problem(model: ModelConfig, tp: int) -> str | None:
+    if model.num_heads % tp:
+        return f"num_heads {model.num_heads} is not divisible by {tp}"
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        return f"num_kv_heads {model.num_kv_heads} neither divides nor is divisible by {tp}"
+    if model.intermediate_size % tp:
+        return f"intermediate_size {model.intermediate_size} is not divisible by {tp}"
+    return None
+
+
+def check_tp(model: ModelConfig, tp: int) -> None:
+    if tp < 1:
+        raise EngineError(f"--tp {tp} must be at least 1", usage=True)
+    problem = _tp_problem(model, tp)
+    if problem:
+        raise EngineError(f"--tp {tp} cannot split {model.architecture}: {problem}; tensor-parallel sizes that "
+                          f"work for this model: {', '.join(map(str, valid_tp_sizes(model)))}", usage=True)
+
+
+def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
+    return max(model.num_kv_heads // tp, 1)
+
+
+def padded_vocab_size(model: ModelConfig, tp: int) -> int:
+    return -(-model.vocab_size // tp) * tp

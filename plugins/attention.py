@@ -1,0 +1,90 @@
+"""Paged attention over the runtime-owned KV pools, and the in-place write of each step's new K/V.
+
+Pool layout (one pair per layer; slot = block_id * tokens_per_block + offset in block):
+
+    kcache / vcache  [num_slots, kv_heads*hd]     row = one token's K (or V), all KV heads
+
+A step packs T tokens of B sequences (core/engine_config.py has the exact index semantics):
+
+    q [T, heads*hd] ─Gather(q_index [B, Qmax])─▶ Q [B, Qmax, heads*hd] ─┐
+    kcache ─Gather(kv_slots [B, Lmax])─▶ K [B, Lmax, kv*hd] ─────────────┼─▶ attention(mask [B, 1, Qmax, Lmax])
+    vcache ─Gather(kv_slots [B, Lmax])─▶ V [B, Lmax, kv*hd] ─────────────┘      │ [B, Qmax, heads*hd]
+                            [T, heads*hd] ◀─Gather(out_index [T])─ [B*Qmax, heads*hd]
+
+Only the context of the sequences in the step is gathered, never the whole pool. Padded query rows
+(j >= q_len[b]) may see no key at all; out_index never selects them, and both lowerings keep every row
+independent, so whatever such a row holds cannot reach a real token. Padded context entries read slot 0 under a
+False mask: their weight is exactly 0, but 0 * NaN is NaN, so the pools must hold finite values in every slot
+(the runtime allocates them with zeros, not np.empty).
+
+Lowerings: `plugin=True` is the standard opset-23 Attention op (GQA by q_num_heads/kv_num_heads, boolean mask,
+scale, softcap); `plugin=False` spells it out: explicit GQA head expansion, MatMul, softcap = c*tanh(s/c),
+Where(mask, s, -1e30), Softmax, MatMul.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.builder.graph import Graph, Scope
+from engine.core.errors import EngineError
+
+# Masked scores are replaced (not offset) by this: finite, so an all-masked padded row softmaxes to a uniform
+# average instead of NaN, and far below any real score, so exp() of it is exactly 0 beside a visible key.
+MASKED_SCORE = -1e30
+
+
+def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str) -> str:
+    """ScatterND rows new [T, kv_size] into cache [num_slots, kv_size] at slot_mapping [T]; returns the updated
+    cache. The runtime binds the result to the buffer of `cache`, so ORT writes in place (DESIGN.md)."""
+    op = g.scope(name)
+    index = op("Unsqueeze", [slot_mapping, g.const([1])])   # [T, 1]: one index tuple per row
+    return op("ScatterND", [cache, index, new])
+
+
+def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str, kv_slots: str, mask: str,
+                    out_index: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                    softcap: float | None, name: str, plugin: bool) -> str:
+    """q [T, num_heads*hd] (rotary applied), pools already holding this step's K/V -> [T, num_heads*hd]."""
+    if num_heads % num_kv_heads:
+        raise EngineError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if softcap is not None and softcap <= 0:
+        raise EngineError(f"attention softcap {softcap} must be positive (or None for no softcap)")
+    op = g.scope(name)
+    qb = op("Gather", [q, q_index], axis=0)         # [B, Qmax, heads*hd]
+    kb = op("Gather", [kcache, kv_slots], axis=0)   # [B, Lmax, kv*hd]
+    vb = op("Gather", [vcache, kv_slots], axis=0)
+    if plugin:
+        attrs = {"softcap": float(softcap)} if softcap else {}
+        out = op("Attention", [qb, kb, vb, mask], q_num_heads=num_heads, kv_num_heads=num_kv_heads,
+                 scale=float(scale), **attrs)       # [B, Qmax, heads*hd]
+    else:
+        out = _reference(g, op, qb, kb, vb, mask, num_heads, num_kv_heads, head_dim, scale, softcap)
+    flat = op("Reshape", [out, g.const([-1, num_heads * head_dim])])   # [B*Qmax, heads*hd]
+    return op("Gather", [flat, out_index], axis=0)
+
+
+def _reference(g: Graph, op: Scope, qb: str, kb: str, vb: str, mask: str, num_heads: int, num_kv_heads: int,
+               head_dim: int, scale: float, softcap: float | None) -> str:
+    group = num_heads // num_kv_heads
+    q = op("Transpose", [op("Reshape", [qb, g.const([0, 0, num_heads, head_dim])])], perm=[0, 2, 1, 3])
+    k = _expand_heads(g, op, kb, num_kv_heads, group, head_dim)      # [B, heads, Lmax, hd]
+    v = _expand_heads(g, op, vb, num_kv_heads, group, head_dim)
+    kt = op("Transpose", [k], perm=[0, 1, 3, 2])                       # [B, heads, hd, Lmax]
+    scores = op("Mul", [op("MatMul", [q, kt]), g.const(scale, np.float32)])   # [B, heads, Qmax, Lmax]
+    if softcap:
+        cap = g.const(softcap, np.float32)
+        scores = op("Mul", [op("Tanh", [op("Div", [scores, cap])]), cap])
+    scores = op("Where", [mask, scores, g.const(MASKED_SCORE, np.float32)])
+    out = op("MatMul", [op("Softmax", [scores], axis=-1), v])          # [B, heads, Qmax, hd]
+    out = op("Transpose", [out], perm=[0, 2, 1, 3])                    # [B, Qmax, heads, hd]
+    return op("Reshape", [out, g.const([0, 0, num_heads * head_dim])])
+
+
+def _expand_heads(g: Graph, op: Scope, x: str, num_kv_heads: int, group: int, head_dim: int) -> str:
+    """[B, L, kv*hd] -> [B, kv*group, L, hd]: query head h reads KV head h // group (transformers' repeat_kv)."""
+    x = op("Transpose", [op("Reshape", [x, g.const([0, 0, num_kv_heads, head_dim])])], perm=[0, 2, 1, 3])
+    if group == 1:
+        return x
+    x = op("Unsqueeze", [x, g.const([2])])                              # [B, kv, 1, L, hd]
+    x = op("Expand", [x, g.const([1, 1, group, 1, 1])])                # [B, kv, group, L, hd] (broadcast)
+    return op("Reshape", [x, g.const([0, num_kv_heads * group, -1, head_dim])])

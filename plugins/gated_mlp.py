@@ -1,0 +1,56 @@
+"""Gated MLP: down(act(gate(x)) * up(x)), act = SiLU (Llama) or tanh-approximated GELU (Gemma).
+
+    plugin=True:   x ─MatMul [H, 2I]─▶ Split ─┬─ gate ─act─┐
+                                             └─ up ───────Mul─▶ MatMul [I, H] ─▶ y
+    plugin=False:  gate = x @ Wg^T, up = x @ Wu^T (two MatMuls), act spelled out in elementwise ops.
+
+The fused lowering reads x once for both projections. SiLU is Sigmoid*Mul, which ORT fuses into its QuickGelu
+kernel; GELU is the opset-20 Gelu(approximate="tanh"), which ORT runs as one kernel.
+
+Initializers (weight_name is the MLP's prefix, e.g. "layers.0.mlp"): plugin: "{weight_name}.gate_up.weight"
+[H, 2I]; reference: "{weight_name}.gate.weight", "{weight_name}.up.weight"; both "{weight_name}.down.weight".
+All hold the torch weights transposed at build time.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from engine.builder.graph import Graph, Scope
+from engine.core.config import ACTIVATIONS
+from engine.core.errors import EngineError
+
+
+def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activation: str, *, name: str,
+              weight_name: str, plugin: bool) -> str:
+    """x [T, H]; gate_up [2I, H] = [gate rows; up rows]; down [H, I] -> [T, H]."""
+    if activation not in ACTIVATIONS:
+        raise EngineError(f"activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    if gate_up.ndim != 2 or gate_up.shape[0] % 2 or down.shape != (gate_up.shape[1], gate_up.shape[0] // 2):
+        raise EngineError(f"{weight_name}: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not form "
+                          "a gated MLP ([2I, H] and [H, I]): re-run `engine convert`")
+    inter = gate_up.shape[0] // 2
+    gate_up = np.asarray(gate_up, dtype=np.float32)
+    op = g.scope(name)
+    if plugin:
+        fused = op("MatMul", [x, g.weight(f"{weight_name}.gate_up.weight", gate_up.T)])
+        gate, up = op("Split", [fused, g.const([inter, inter])], outputs=2, axis=-1)
+    else:
+        gate = op("MatMul", [x, g.weight(f"{weight_name}.gate.weight", gate_up[:inter].T)])
+        up = op("MatMul", [x, g.weight(f"{weight_name}.up.weight", gate_up[inter:].T)])
+    hidden = op("Mul", [_activation(g, op, gate, activation, plugin), up])
+    return op("MatMul", [hidden, g.weight(f"{weight_name}.down.weight", np.asarray(down, dtype=np.float32).T)])
+
+
+def _activation(g: Graph, op: Scope, x: str, activation: str, plugin: bool) -> str:
+    if activation == "silu":
+        return op("Mul", [x, op("Sigmoid", [x])])
+    if plugin:
+        return op("Gelu", [x], approximate="tanh")
+    # gelu_tanh(x) = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
+    f32 = np.float32
+    cube = op("Mul", [op("Mul", [x, x]), x])
+    inner = op("Mul", [op("Add", [x, op("Mul", [cube, g.const(0.044715, f32)])]),
+                       g.const(math.sqrt(2 / math.pi), f32)])
+    return op("Mul", [op("Mul", [x, g.const(0.5, f32)]), op("Add", [op("Tanh", [inner]), g.const(1.0, f32)])])

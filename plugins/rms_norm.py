@@ -1,0 +1,61 @@
+"""RMSNorm, alone or fused with the residual add before it.
+
+    y = x / sqrt(mean(x^2, last axis) + eps) * weight
+
+Gemma's (1 + w) offset is folded into `weight` by the caller. The same op serves the per-head q/k norms
+(Qwen3, Gemma3): a row [heads * head_dim] is normalized per head when len(weight) divides it:
+
+    x [T, heads*hd] ──Reshape [T, heads, hd]──▶ norm over hd ──Reshape [T, heads*hd]──▶ y
+
+Lowerings: `plugin=False` spells the formula in standard ops (Mul, ReduceMean, Add, Sqrt, Div, Mul);
+`plugin=True` is the standard opset-23 RMSNormalization (one ORT kernel, 2x the reference; as fast as ORT's
+contrib SimplifiedLayerNormalization and, unlike it, a standard op other backends parse). With the residual add
+it is Add + RMSNormalization: ORT's fused SkipSimplifiedLayerNormalization measured slower (bench/plugins.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.builder.graph import Graph, Scope
+from engine.core.errors import EngineError
+
+
+def rms_norm(g: Graph, x: str, weight: np.ndarray, eps: float, *, name: str, weight_name: str,
+             plugin: bool, whole_rows: bool = False) -> str:
+    """x [T, n * len(weight)] -> RMSNorm over each group of len(weight) values.
+
+    The graph carries no static shapes, so by default x is viewed as [T, n, len(weight)] (a Reshape pair, which
+    ORT runs as zero-copy views), correct for any n. `whole_rows=True` promises n == 1 and skips the pair."""
+    _check(weight, weight_name)
+    op = g.scope(name)
+    w = g.weight(weight_name, np.asarray(weight, dtype=np.float32))
+    if whole_rows:
+        return _norm(g, op, x, w, eps, plugin)
+    grouped = op("Reshape", [x, g.const([0, -1, len(weight)])])
+    return op("Reshape", [_norm(g, op, grouped, w, eps, plugin), g.const([0, -1])])
+
+
+def add_rms_norm(g: Graph, x: str, residual: str, weight: np.ndarray, eps: float, *, name: str,
+                 weight_name: str, plugin: bool) -> tuple[str, str]:
+    """Returns (rms_norm(x + residual), x + residual); x, residual [T, len(weight)]."""
+    _check(weight, weight_name)
+    op = g.scope(name)
+    w = g.weight(weight_name, np.asarray(weight, dtype=np.float32))
+    # ORT's fused com.microsoft SkipSimplifiedLayerNormalization measured 1.4-1.7x slower than Add followed by
+    # RMSNormalization on its CPU provider (bench/plugins.py), so the plugin is the two-kernel form.
+    total = op("Add", [x, residual])
+    return _norm(g, op, total, w, eps, plugin), total
+
+
+def _check(weight: np.ndarray, weight_name: str) -> None:
+    if weight.ndim != 1:
+        raise EngineError(f"{weight_name} has shape {tuple(weight.shape)}; a norm weight must be 1-D: "
+                          "re-run `engine convert`")
+
+
+def _norm(g: Graph, op: Scope, x: str, w: str, eps: float, plugin: bool) -> str:
+    if plugin:
+        return op("RMSNormalization", [x, w], axis=-1, epsilon=float(eps))
+    mean_sq = op("ReduceMean", [op("Mul", [x, x]), g.const([-1])], keepdims=1)
+    rms = op("Sqrt", [op("Add", [mean_sq, g.const(eps, np.float32)])])
+    return op("Mul", [op("Div", [x, rms]), w])

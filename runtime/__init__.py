@@ -1,0 +1,14 @@
+"""The runtime: everything above the engine session (sampler, detokenizer, chat templates, KV block manager,
+continuous-batching scheduler) and the Python API.
+
+    from engine.runtime import LLM, SamplingParams
+    outputs = LLM("engine_dir").generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
+It reads only an engine directory; it never imports recipes/, builder/, transformers or torch.
+"""
+from .llm import LLM
+from .outputs import RequestMetrics, RequestOutput
+from .sampling_params import Logprob, SamplingParams
+from .tokenizer import Tokenizer
+
+__all__ = ["LLM", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "Tokenizer"]

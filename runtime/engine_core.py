@@ -1,0 +1,141 @@
+"""One engine step at a time: schedule -> run the session -> sample -> detokenize -> stop checks -> outputs.
+
+Single-threaded by design; llm.py drives it either inline (sync generate) or from one background thread (async
+streaming). It owns the requests in flight; it does not tokenize prompts (llm.py does) nor size the pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import numpy as np
+
+from engine.core.errors import EngineError
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .outputs import RequestMetrics, RequestOutput
+from .sampler import SamplingRow, sample
+from .sampling_params import Logprob
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import FinishReason, Sequence
+from .step_inputs import SeqChunk
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    logprobs: list[Logprob] | None
+    emitted_tokens: int = 0            # output tokens already reported in a delta
+
+
+@dataclass
+class StepStats:
+    """Counters since the engine started, for metrics and tests."""
+    num_steps: int = 0
+    num_preempted: int = 0              # preemptions since start
+    max_seqs_per_step: int = 0
+    max_tokens_per_step: int = 0
+
+
+class EngineCore:
+    def __init__(self, session, tokenizer: Tokenizer, eos_token_ids: Seq[int], *, max_batch_size: int,
+                 max_num_tokens: int, tokens_per_block: int, vocab_size: int):
+        self.session = session
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = vocab_size
+        self.blocks = BlockManager(session.num_blocks, tokens_per_block)
+        self.scheduler = Scheduler(SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens),
+                                   self.blocks)
+        self.requests: dict[str, _Request] = {}
+        self.stats = StepStats()
+
+    def add_request(self, seq: Sequence, prompt: str | None = None) -> None:
+        if seq.request_id in self.requests:
+            raise EngineError(f"request id {seq.request_id!r} is already in flight; use a unique id")
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+        self.requests[seq.request_id] = _Request(seq, prompt, detok, [] if seq.params.logprobs is not None else None)
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, FinishReason.ABORT)
+        return self._output(req)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        st = self.stats
+        st.num_steps += 1
+        st.num_preempted += len(sched.preempted)
+        st.max_seqs_per_step = max(st.max_seqs_per_step, len(sched.chunks))
+        st.max_tokens_per_step = max(st.max_tokens_per_step, sched.num_tokens)
+        if not sched.chunks:
+            return []
+        chunks = [SeqChunk(token_ids=c.token_ids, start_pos=c.start_pos,
+                           block_table=list(self.blocks.block_table(c.seq.request_id)),
+                           want_logits=c.want_logits) for c in sched.chunks]
+        logits = self.session.run(chunks)
+        sampled = [c.seq for c in sched.chunks if c.want_logits]
+        assert logits.shape[0] == len(sampled), (logits.shape, len(sampled))
+        rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
+                            output_token_ids=s.output_token_ids, generator=s.generator,
+                            banned_token_ids=self._banned(s)) for s in sampled]
+        result = sample(np.asarray(logits)[:, :self.vocab_size], rows)
+        outputs = []
+        for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs):
+            req = self.requests[seq.request_id]
+            seq.append_token(int(tok))
+            if req.logprobs is not None:
+                req.logprobs.append(lp)
+            self._check_stop(req, int(tok))
+            outputs.append(self._output(req))
+        return outputs
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        if seq.num_output_tokens >= seq.params.min_tokens:
+            return []
+        ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_token_ids))
+        return sorted(t for t in ids if t < self.vocab_size)
+
+    def _check_stop(self, req: _Request, tok: int) -> None:
+        seq, p = req.seq, req.seq.params
+        past_min = seq.num_output_tokens >= p.min_tokens
+        is_eos = tok in self.eos_token_ids and not p.ignore_eos
+        is_stop_id = tok in p.stop_token_ids
+        stop_string = req.detok.update([tok], stop_terminated=past_min and (is_eos or is_stop_id),
+                                       check_stop=past_min)
+        if past_min and is_eos:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif past_min and is_stop_id:
+            self.scheduler.finish(seq, FinishReason.STOP, tok)
+        elif past_min and stop_string is not None:
+            self.scheduler.finish(seq, FinishReason.STOP, stop_string)
+        elif seq.num_output_tokens >= seq.max_tokens:
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        if finished:
+            del self.requests[seq.request_id]
+        out_ids = seq.output_token_ids
+        delta_ids = out_ids[req.emitted_tokens:]
+        req.emitted_tokens = len(out_ids)
+        delta_text = req.detok.take_delta(finished=finished)
+        return RequestOutput(
+            request_id=seq.request_id, prompt=req.prompt, prompt_token_ids=list(seq.prompt_token_ids),
+            text=req.detok.emitted_text, token_ids=list(out_ids), delta_text=delta_text,
+            delta_token_ids=list(delta_ids), finished=finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
+            metrics=RequestMetrics(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+                                   finish_time=seq.finish_time, num_preemptions=seq.num_preemptions),
+            logprobs=list(req.logprobs) if req.logprobs is not None else None)

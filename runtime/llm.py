@@ -1,0 +1,288 @@
+"""The Python API: `LLM(engine_dir).generate(prompts, params)`, streaming, and an async generator for the server.
+
+    llm = LLM("engine_dir")
+    outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    async for out in llm.generate_async("Hello", params): print(out.delta_text, end="")
+
+The engine core is single-threaded. Sync calls (generate, chat, stream) drive it in the calling thread; the
+async API starts one background engine thread, and from then on every call (sync ones too) submits requests to
+that thread through a locked inbox, so requests from any thread batch together. Outputs go back through
+per-request sinks (an asyncio queue via call_soon_threadsafe, or a plain queue).
+
+Limits are checked when a request is made, before it queues: an empty prompt or one that leaves no room under
+max_input_len / max_seq_len raises EngineError naming the limits; max_tokens beyond max_seq_len - prompt length
+is clipped to it with a warning on the `engine.runtime` logger (the request still runs).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator, Sequence as Seq, Union
+
+from engine.core.errors import EngineError
+
+from .engine_core import EngineCore
+from .engine_dir import load_engine_config
+from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("engine.runtime")
+
+Prompt = Union[str, Seq[int]]          # text, or token ids used as they are
+Sink = Callable[[Union[RequestOutput, BaseException]], None]
+
+
+class LLM:
+    def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
+                 max_kv_tokens: int | None = None, threads: int | None = None):
+        from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
+        self.engine_dir = Path(engine_dir)
+        self.config = load_engine_config(self.engine_dir)
+        self.tokenizer = Tokenizer(self.engine_dir)
+        self.kv_plan: KVPlan = plan_kv_cache(self.config, kv_cache_mem_fraction=kv_cache_mem_fraction,
+                                             max_kv_tokens=max_kv_tokens)
+        self.session = EngineSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads)
+        b = self.config.build
+        eos = self.config.generation.eos_token_ids
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids = tuple(eos)
+        self.core = EngineCore(self.session, self.tokenizer, self.eos_token_ids, max_batch_size=b.max_batch_size,
+                               max_num_tokens=b.max_num_tokens, tokens_per_block=b.tokens_per_block,
+                               vocab_size=self.config.model.vocab_size)
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._sinks: dict[str, Sink] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._drive_lock = threading.Lock()   # one inline driver at a time
+
+    # ---- making requests ---------------------------------------------------------------------------------
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.build.max_seq_len
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                      request_id: str | None = None) -> tuple[Sequence, str | None]:
+        """Tokenize and check one request; raises EngineError for prompts the engine cannot take."""
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
+        b, vocab = self.config.build, self.config.model.vocab_size
+        if not ids:
+            raise EngineError("the prompt is empty (0 tokens); give at least one token of text")
+        limit = min(b.max_input_len, b.max_seq_len - 1)
+        if len(ids) > limit:
+            raise EngineError(f"the prompt has {len(ids)} tokens, more than this engine takes: max_input_len "
+                              f"{b.max_input_len}, and the maximum context length is {b.max_seq_len} tokens "
+                              f"(prompt + output); shorten the prompt or rebuild with larger --max-input-len / "
+                              f"--max-seq-len")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens
+        if len(ids) + max_tokens > b.max_seq_len:
+            max_tokens = b.max_seq_len - len(ids)
+            log.warning("max_tokens %d with a %d-token prompt exceeds max_seq_len %d; generating at most %d tokens",
+                        params.max_tokens, len(ids), b.max_seq_len, max_tokens)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Sequence(request_id=rid, prompt_token_ids=ids, params=params, max_tokens=max_tokens), text
+
+    def chat_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation under the engine's chat template."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    # ---- sync API ----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Final outputs, in prompt order. All prompts run together (continuous batching)."""
+        final: dict[str, RequestOutput] = {}
+        order = []
+        for out in self.stream(prompts, params, request_ids=order):
+            if out.finished:
+                final[out.request_id] = out
+        return [final[rid] for rid in order]
+
+    def chat(self, conversations: list[dict] | Seq[list[dict]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """generate() over conversations (lists of {"role", "content"}) rendered with the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.chat_prompt(c) for c in conversations], params)
+
+    def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+               *, request_ids: list | None = None) -> Iterator[RequestOutput]:
+        """Every output of every prompt as it is produced (each carries its delta_text); all prompts run
+        together. Every prompt is checked before any runs. `request_ids`, when given, receives the request
+        ids in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise EngineError(f"{len(plist)} sampling params for {len(prompts)} prompts; give one, or one each")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
+        if request_ids is not None:
+            request_ids.extend(s.request_id for s, _ in seqs)
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        pending = {s.request_id for s, _ in seqs}
+        with self._cond:
+            threaded = self._thread is not None
+        if threaded:
+            for seq, text in seqs:
+                self._submit(seq, text, inbox.put)
+            try:
+                while pending:
+                    item = inbox.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        pending.discard(item.request_id)
+                    yield item
+            finally:
+                for rid in pending:
+                    self.abort(rid)
+            return
+        with self._drive_lock:
+            for seq, text in seqs:
+                self.core.add_request(seq, text)
+            try:
+                while self.core.has_unfinished():
+                    yield from self.core.step()
+            finally:
+                for rid in list(self.core.requests):  # the caller stopped early, or a step failed
+                    self.core.abort(rid)
+
+    # ---- async API (background engine thread) ------------------------------------------------------------
+
+    async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                             request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they are produced; leaving the iteration early aborts the request and
+        frees its blocks (a client that disconnects)."""
+        seq, text = self.make_sequence(prompt, params, request_id=request_id)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self.start()
+        self._submit(seq, text, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(seq.request_id)
+
+    def start(self) -> None:
+        """Start the background engine thread (idempotent)."""
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            if self._thread is not None:
+                self._inbox.append(("abort", request_id))
+                self._cond.notify()
+                return
+        self.core.abort(request_id)
+
+    def close(self) -> None:
+        """Stop the background thread; requests still in flight end with finish_reason "abort"."""
+        with self._cond:
+            thread, self._stopping = self._thread, True
+            self._cond.notify()
+        if thread is not None:
+            thread.join()
+        self._thread = None
+
+    def _submit(self, seq: Sequence, text: str | None, sink: Sink) -> None:
+        with self._cond:
+            if seq.request_id in self._sinks:
+                raise EngineError(f"request id {seq.request_id!r} is already in flight; use a unique id")
+            self._sinks[seq.request_id] = sink
+            self._inbox.append(("add", (seq, text)))
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        # The thread owns the core for its lifetime; it first waits for an inline driver (a sync call that
+        # began before start()) to finish.
+        with self._drive_lock:
+            self._run_loop()
+
+    def _run_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self.core.has_unfinished() and not self._stopping:
+                    self._cond.wait()
+                commands, self._inbox = self._inbox, []
+                stopping = self._stopping
+            outputs = []
+            for kind, arg in commands:
+                if kind == "add":
+                    try:
+                        self.core.add_request(*arg)
+                    except EngineError as e:
+                        with self._cond:
+                            sink = self._sinks.pop(arg[0].request_id, None)
+                        if sink is not None:
+                            sink(e)
+                else:
+                    out = self.core.abort(arg)
+                    if out is not None:
+                        outputs.append(out)
+            try:
+                if stopping:
+                    outputs += [o for rid in list(self.core.requests) if (o := self.core.abort(rid))]
+                elif self.core.has_unfinished():
+                    outputs += self.core.step()
+            except Exception as e:  # a failed step fails every request in flight, not the thread
+                log.exception("engine step failed")
+                for rid in list(self.core.requests):
+                    self.core.abort(rid)
+                with self._cond:
+                    sinks, self._sinks = self._sinks, {}
+                for sink in sinks.values():
+                    sink(e)
+                continue
+            self._dispatch(outputs)
+            if stopping:
+                return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            sinks = [(self._sinks.get(o.request_id), o) for o in outputs]
+            for o in outputs:
+                if o.finished:
+                    self._sinks.pop(o.request_id, None)
+        for sink, o in sinks:
+            if sink is not None:
+                sink(o)
+
+    def check_all_free(self) -> None:
+        """AssertionError unless no request is in flight and every KV block is back in the pool."""
+        assert not self.core.requests, f"requests still in flight: {sorted(self.core.requests)}"
+        self.core.blocks.check_all_free()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]       # one prompt given as token ids
+    return prompts

@@ -1,0 +1,128 @@
+"""The sampler: a pure function from a batch of logits and per-request parameters to the next tokens.
+
+It knows nothing of the scheduler, the engine or the tokenizer; the only state it touches is each request's own
+numpy Generator, which draws exactly one uniform number per sampled (non-greedy) step, so a seeded request gives
+the same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .sampling_params import Logprob, SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request for one step."""
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: np.random.Generator
+    banned_token_ids: Sequence[int] = ()   # e.g. eos and stop ids while fewer than min_tokens were generated
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: np.ndarray                  # int64 [B]
+    logprobs: list[Logprob | None] = field(default_factory=list)
+
+
+def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    """Sample one token per row of `logits` [B, vocab] (float32), row b under rows[b].
+
+    Order of operations, per row:
+      1. logprobs (when params.logprobs is not None): log-softmax of the raw model logits, before any of the
+         steps below (vLLM v1's default "raw_logprobs"); the sampled token's and the top-N are returned.
+      2. banned tokens (min_tokens not reached) get -inf.
+      3. repetition penalty (params.repetition_penalty, 1 = off) over every distinct token of the prompt AND the
+         output, as vLLM and transformers do: a positive logit is divided by it, a negative one multiplied.
+      4. frequency and presence penalties (OpenAI semantics) over the GENERATED tokens only, the prompt does not
+         count: logit -= frequency_penalty * count + presence_penalty * (count > 0).
+      5. temperature 0 -> greedy: the argmax of the penalised logits (lowest id on ties); steps 6-10 are skipped
+         and the generator is not used.
+      6. temperature: logits /= temperature.
+      7. top-k (0 = off): keep the tokens whose logit is >= the k-th largest (ties at the boundary are kept).
+      8. top-p (1 = off): over the probabilities after 7, keep the smallest set of most likely tokens whose mass
+         reaches top_p: a token is kept when the mass of the tokens sorted before it is < top_p (the most
+         likely token is always kept).
+      9. min-p (0 = off): keep tokens with probability >= min_p * the largest probability (unchanged by the
+         renormalisation after 7 and 8, so this equals min-p over the temperature-scaled distribution).
+     10. draw: u = generator.random() in [0, 1); the token is the first whose cumulative probability exceeds
+         u * total (inverse CDF over token ids in order), so removed tokens are never drawn.
+    """
+    B = logits.shape[0]
+    assert B == len(rows), (B, len(rows))
+    token_ids = np.empty(B, dtype=np.int64)
+    logprobs: list[Logprob | None] = []
+    for b, row in enumerate(rows):
+        p = row.params
+        raw = np.asarray(logits[b], dtype=np.float64)
+        x = raw.copy()
+        if len(row.banned_token_ids):
+            x[np.asarray(row.banned_token_ids, dtype=np.int64)] = -np.inf
+        apply_penalties(x, row)
+        if p.temperature == 0:
+            tok = int(np.argmax(x))
+        else:
+            x /= p.temperature
+            probs = filter_probs(x, p)
+            cdf = np.cumsum(probs)
+            u = row.generator.random()
+            tok = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
+        token_ids[b] = tok
+        logprobs.append(None if p.logprobs is None else _logprobs(raw, tok, p.logprobs))
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def apply_penalties(x: np.ndarray, row: SamplingRow) -> None:
+    """Steps 3-4, in place on the float64 logits `x` of one row."""
+    p = row.params
+    V = x.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.concatenate([np.asarray(row.prompt_token_ids, dtype=np.int64),
+                                         np.asarray(row.output_token_ids, dtype=np.int64)]))
+        seen = seen[seen < V]
+        vals = x[seen]
+        x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty != 0 or p.presence_penalty != 0) and len(row.output_token_ids):
+        out = np.asarray(row.output_token_ids, dtype=np.int64)
+        counts = np.bincount(out[out < V], minlength=V)[:V]
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()
+
+
+def filter_probs(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Steps 7-9: the probabilities of the scaled logits `x` with the removed tokens at 0 (not renormalised)."""
+    V = x.shape[0]
+    if 0 < p.top_k < V:
+        kth = np.partition(x, V - p.top_k)[V - p.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = _softmax(x)
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        sorted_probs = probs[order]
+        mass_before = np.cumsum(sorted_probs) - sorted_probs
+        drop = order[mass_before >= p.top_p]
+        probs[drop] = 0.0
+        probs /= probs.sum()
+    if p.min_p > 0.0:
+        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+    return probs
+
+
+def _logprobs(raw: np.ndarray, token: int, n: int) -> Logprob:
+    m = np.max(raw)
+    lp = raw - (m + np.log(np.exp(raw - m).sum()))
+    top = {}
+    if n > 0:
+        idx = np.argpartition(-lp, n - 1)[:n]
+        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        top = {int(i): float(lp[i]) for i in idx}
+    return Logprob(token_id=token, logprob=float(lp[token]), top=top)

@@ -1,0 +1,105 @@
+"""The low-level engine session: one ONNX Runtime session of a tp=1 engine and its KV pool, one run() per step.
+
+    EngineSession(engine_dir, num_blocks)        loads rank0.onnx (already optimized at build: optimizations off)
+        pool: kcache.{i}, vcache.{i}  np.float32 [num_blocks * tokens_per_block, kv_size], allocated once
+              each bound with IOBinding as both the graph input and its aliased output kcache_out.{i}, so
+              ORT's ScatterND writes the step's K/V into the pool in place (no copy of the pool per step)
+    run(chunks) -> logits [chunks wanting logits, vocab_size]
+
+The session knows blocks only as ids; which sequence owns which block is the block manager's business.
+It must not import builder/, recipes/ or torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from engine.core.engine_config import (LOGITS, EngineConfig, engine_file, kcache_name, kcache_out_name,
+                                       vcache_name, vcache_out_name)
+from engine.core.errors import EngineError
+from engine.core.parallel import kv_heads_per_rank
+
+from .engine_dir import load_engine_config
+from .step_inputs import SeqChunk, make_step_inputs
+
+
+class EngineSession:
+    def __init__(self, engine_dir: Path, *, num_blocks: int, threads: int | None = None):
+        engine_dir = Path(engine_dir)
+        self.config: EngineConfig = load_engine_config(engine_dir)
+        cfg, build = self.config, self.config.build
+        if build.backend != "onnxruntime":
+            raise EngineError(f"{engine_dir} is a {build.backend} engine; this session runs onnxruntime engines")
+        if cfg.mapping.world_size != 1:
+            raise EngineError(f"{engine_dir} is a tp={cfg.mapping.tp_size} engine; running tensor-parallel engines "
+                              "is not supported yet: rebuild with `engine build --tp 1`")
+        if num_blocks < 1:
+            raise EngineError(f"num_blocks {num_blocks} must be at least 1")
+        self.num_blocks = num_blocks
+        self.tokens_per_block = build.tokens_per_block
+        model = cfg.model
+        self._sliding = model.sliding_window if "sliding" in model.layer_types else None
+
+        so = ort.SessionOptions()
+        # The graph was optimized once at build (builder/onnxruntime_backend.py); do not pay for it again.
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+        self._session = ort.InferenceSession(str(engine_dir / engine_file(0)), so,
+                                             providers=["CPUExecutionProvider"])
+        self._input_names = {i.name for i in self._session.get_inputs()}
+
+        kv_size = kv_heads_per_rank(model, 1) * model.head_dim
+        slots = num_blocks * self.tokens_per_block
+        self._binding = self._session.io_binding()
+        # Logits first: IOBinding.get_outputs() returns outputs in binding order, and rebinding keeps the place.
+        self._binding.bind_output(LOGITS)
+        self.kv_pool: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pool_values = []
+        for i in range(model.num_layers):
+            k = np.zeros((slots, kv_size), dtype=np.float32)
+            v = np.zeros((slots, kv_size), dtype=np.float32)
+            self.kv_pool.append((k, v))
+            for arr, name_in, name_out in ((k, kcache_name(i), kcache_out_name(i)),
+                                           (v, vcache_name(i), vcache_out_name(i))):
+                value = ort.OrtValue.ortvalue_from_numpy(arr)  # shares arr's memory
+                self._pool_values.append(value)
+                self._binding.bind_ortvalue_input(name_in, value)
+                self._binding.bind_ortvalue_output(name_out, value)
+
+    def run(self, chunks: list[SeqChunk]) -> np.ndarray:
+        """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
+        build = self.config.build
+        if len(chunks) > build.max_batch_size:
+            raise EngineError(f"a step of {len(chunks)} sequences exceeds the engine's max_batch_size "
+                              f"{build.max_batch_size}")
+        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
+        self._check(inputs, chunks)
+        for name, array in inputs.items():
+            if name in self._input_names:
+                self._binding.bind_cpu_input(name, array)
+        self._binding.bind_output(LOGITS)
+        self._session.run_with_iobinding(self._binding)
+        logits = self._binding.get_outputs()[0].numpy()
+        return logits[:, :self.config.model.vocab_size]
+
+    def _check(self, inputs: dict[str, np.ndarray], chunks: list[SeqChunk]) -> None:
+        build = self.config.build
+        total = len(inputs["input_ids"])
+        if total > build.max_num_tokens:
+            raise EngineError(f"a step of {total} tokens exceeds the engine's max_num_tokens {build.max_num_tokens}")
+        longest = max(c.start_pos + len(c.token_ids) for c in chunks)
+        if longest > build.max_seq_len:
+            raise EngineError(f"a sequence of {longest} tokens exceeds the engine's max_seq_len {build.max_seq_len}")
+        ids = inputs["input_ids"]
+        if ids.min() < 0 or ids.max() >= self.config.model.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.config.model.vocab_size)][0])
+            raise EngineError(f"token id {bad} is outside the vocabulary [0, {self.config.model.vocab_size})")
+        slots = self.num_blocks * self.tokens_per_block
+        if inputs["kv_slots"].min() < 0 or inputs["kv_slots"].max() >= slots:
+            raise EngineError(f"a block table names a block outside the pool of {self.num_blocks} blocks")

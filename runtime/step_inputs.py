@@ -1,0 +1,93 @@
+"""The graph inputs of one scheduler step, built from the sequences' chunks (see core/engine_config.py).
+
+Packed tokens, no padding: sequence b contributes q_len[b] new tokens at positions [start_pos[b], ctx_len[b]).
+Everything is computed with NumPy over whole arrays; the only Python loop runs once per sequence (to pad the
+block tables), never once per token.
+
+    packed tokens      | seq 0: 5 tokens (prefill) | seq 1: 1 (decode) | seq 2: 3 (chunk) |
+    q_index [B, Qmax]    0 1 2 3 4 / 5 0 0 0 0 / 6 7 8 0 0        (pad rows: index 0, masked to key 0)
+    out_index [T]        0 1 2 3 4   5           10 11 12         (b * Qmax + j)
+
+This module knows nothing of ONNX Runtime; it must stay importable without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from engine.core.engine_config import (ATTN_MASK, ATTN_MASK_SLIDING, INPUT_IDS, KV_SLOTS, LOGITS_INDICES,
+                                       OUT_INDEX, POSITIONS, Q_INDEX, SLOT_MAPPING)
+from engine.core.errors import EngineError
+
+
+@dataclass
+class SeqChunk:
+    token_ids: Sequence[int]     # the new tokens of this sequence computed in this step
+    start_pos: int               # tokens of this sequence already in the KV pool (its num_computed_tokens)
+    block_table: Sequence[int]   # block ids covering positions [0, start_pos + len(token_ids))
+    want_logits: bool            # logits of its last new token wanted
+
+
+def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int,
+                     sliding_window: int | None) -> dict[str, np.ndarray]:
+    """Graph inputs for `chunks` (all but the KV pools); `attn_mask_sliding` only when `sliding_window`."""
+    if not chunks:
+        raise EngineError("a step needs at least one sequence chunk")
+    q_len = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    if (q_len < 1).any():
+        raise EngineError(f"sequence chunk {int(np.argmin(q_len))} has no tokens; every chunk needs at least one")
+    start = np.array([c.start_pos for c in chunks], dtype=np.int64)
+    if (start < 0).any():
+        raise EngineError(f"start_pos {int(start.min())} is negative")
+    ctx_len = start + q_len
+    num_seqs, total = len(chunks), int(q_len.sum())
+    q_max, l_max = int(q_len.max()), int(ctx_len.max())
+
+    # Block tables padded to [B, max blocks]; a table must cover every context position of its sequence.
+    need = -(-ctx_len // tokens_per_block)
+    width = int(need.max())
+    tables = np.zeros((num_seqs, width), dtype=np.int64)
+    for b, c in enumerate(chunks):
+        n = int(need[b])
+        if len(c.block_table) < n:
+            raise EngineError(f"sequence chunk {b} has {len(c.block_table)} blocks for {int(ctx_len[b])} tokens; "
+                              f"it needs {n} blocks of {tokens_per_block} tokens")
+        tables[b, :n] = np.asarray(c.block_table[:n], dtype=np.int64)
+
+    seq = np.repeat(np.arange(num_seqs), q_len)                  # [T] sequence of each packed token
+    first = np.cumsum(q_len) - q_len                             # [B] packed index of each sequence's first token
+    offset = np.arange(total) - first[seq]                       # [T] index within its chunk
+    positions = start[seq] + offset
+    slot_mapping = tables[seq, positions // tokens_per_block] * tokens_per_block + positions % tokens_per_block
+
+    j = np.arange(q_max)
+    q_valid = j[None, :] < q_len[:, None]                        # [B, Qmax]
+    q_index = np.where(q_valid, first[:, None] + j[None, :], 0)
+    l = np.arange(l_max)
+    kv_valid = l[None, :] < ctx_len[:, None]                     # [B, Lmax]
+    kv_slots = tables[np.arange(num_seqs)[:, None], np.minimum(l[None, :], ctx_len[:, None] - 1) // tokens_per_block]
+    kv_slots = np.where(kv_valid, kv_slots * tokens_per_block + l[None, :] % tokens_per_block, 0)
+
+    q_pos = start[:, None] + j[None, :]                          # [B, Qmax] position of query j
+    causal = l[None, None, :] <= q_pos[:, :, None]               # [B, Qmax, Lmax]
+    # Padded query rows see key 0 only, so their softmax stays finite; out_index never reads them.
+    pad_row = ~q_valid[:, :, None] & (l == 0)[None, None, :]
+    mask = (causal & q_valid[:, :, None]) | pad_row
+
+    want = np.array([c.want_logits for c in chunks], dtype=bool)
+    inputs = {
+        INPUT_IDS: np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total),
+        POSITIONS: positions,
+        SLOT_MAPPING: slot_mapping,
+        Q_INDEX: q_index,
+        KV_SLOTS: kv_slots,
+        ATTN_MASK: mask[:, None],
+        OUT_INDEX: seq * q_max + offset,
+        LOGITS_INDICES: (first + q_len - 1)[want],
+    }
+    if sliding_window:
+        near = l[None, None, :] > q_pos[:, :, None] - sliding_window  # the query's own key included
+        inputs[ATTN_MASK_SLIDING] = ((causal & near & q_valid[:, :, None]) | pad_row)[:, None]
+    return inputs

@@ -1,0 +1,166 @@
+"""The engine directory and the `engine build` / `engine inspect` commands: manifest round trip, version checks
+with rebuild messages, --dry-run, --force, --tp resharding, flag validation (exit 2) and inspect's report."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+from safetensors.numpy import load_file
+
+from engine.core.engine_config import EngineConfig, engine_file
+from engine.core.errors import EngineError
+from engine.core.serde import from_json, read_json, to_json
+from engine.runtime.engine_dir import load_engine_config
+
+LLAMA = "LlamaForCausalLM"
+
+
+def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run `engine ARGS` in this process through the CLI's error boundary; (exit code, stdout, stderr)."""
+    from engine.cli.app import main
+    monkeypatch.setattr(sys, "argv", ["engine", *args])
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+        sys.exit(0)
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+def test_config_round_trips(tiny):
+    engine_dir = tiny.engine(LLAMA)
+    data = read_json(engine_dir / "config.json")
+    config = from_json(EngineConfig, data, where="config.json")
+    assert to_json(config) == data
+    assert config == load_engine_config(engine_dir)
+    assert config.memory.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4    # layers x K,V x kv heads x head_dim x fp32
+    assert (engine_dir / "tokenizer.json").is_file() and (engine_dir / "rank0.onnx.data").is_file()
+    assert not list(engine_dir.glob("*.raw.onnx*"))
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("format_version", 99, "format_version 99"),
+    ("backend_version", "1.0.0", "built with onnxruntime 1.0.0"),
+    ("toolchain_version", "0.0.1", "built by engine 0.0.1"),
+])
+def test_mismatched_engine_is_refused_with_rebuild_message(tiny, tmp_path, field, value, expected):
+    import shutil
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tiny.engine(LLAMA), engine_dir)
+    data = read_json(engine_dir / "config.json")
+    data[field] = value
+    (engine_dir / "config.json").write_text(json.dumps(data))
+    with pytest.raises(EngineError, match=expected) as info:
+        load_engine_config(engine_dir)
+    assert "engine build" in str(info.value) and "--force" in str(info.value)
+
+
+def test_dry_run_writes_nothing(tiny, tmp_path, monkeypatch, capsys):
+    out_dir = tmp_path / "engine"
+    code, out, _ = cli(monkeypatch, capsys, "build", "--checkpoint-dir", str(tiny.checkpoint(LLAMA)),
+                       "--output-dir", str(out_dir), "--dry-run", "--max-seq-len", "128")
+    assert code == 0
+    assert "weights, rank 0" in out and "KV cache per token" in out and "512 B" in out
+    assert not out_dir.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_dir_needs_force(tiny, tmp_path, monkeypatch, capsys):
+    out_dir = tmp_path / "engine"
+    out_dir.mkdir()
+    (out_dir / "keep").write_text("x")
+    args = ["build", "--checkpoint-dir", str(tiny.checkpoint(LLAMA)), "--output-dir", str(out_dir),
+            "--max-seq-len", "64"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert code == 2 and "already exists" in err and "--force" in err
+    assert (out_dir / "keep").exists()
+    code, _, _ = cli(monkeypatch, capsys, *args, "--force")
+    assert code == 0 and not (out_dir / "keep").exists() and (out_dir / "rank0.onnx").is_file()
+    assert load_engine_config(out_dir).build.max_seq_len == 64
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-input-len", "200", "--max-seq-len", "128"], "--max-input-len 200 exceeds --max-seq-len 128"),
+    (["--max-seq-len", "1000"], "--max-seq-len 1000 exceeds the model's max_position_embeddings 256"),
+    (["--max-batch-size", "0"], "--max-batch-size 0 must be at least 1"),
+    (["--tokens-per-block", "24"], "--tokens-per-block 24 is not a power of two"),
+    (["--max-num-tokens", "4"], "--max-num-tokens 4 is below --max-batch-size 32"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8' is not supported yet"),
+    (["--dtype", "int8_wo"], "--dtype 'int8_wo' is not supported"),
+    (["--backend", "tensorrt"], "needs the `tensorrt` extra"),
+    (["--backend", "tvm"], "--backend 'tvm' is unknown"),
+    (["--rmsnorm-plugin", "on"], "--rmsnorm-plugin 'on' must be enable or disable"),
+    (["--tp", "3"], "--tp 3 cannot split LlamaForCausalLM"),
+    (["--workers", "0"], "--workers 0 must be at least 1"),
+])
+def test_bad_flags_exit_2(tiny, tmp_path, monkeypatch, capsys, flags, message):
+    code, _, err = cli(monkeypatch, capsys, "build", "--checkpoint-dir", str(tiny.checkpoint(LLAMA)),
+                       "--output-dir", str(tmp_path / "engine"), *flags)
+    assert code == 2, err
+    assert message in " ".join(err.split())
+    assert not (tmp_path / "engine").exists()
+
+
+def test_tp2_build_of_tp1_checkpoint(tiny, tmp_path, monkeypatch, capsys):
+    out_dir = tmp_path / "engine"
+    code, _, err = cli(monkeypatch, capsys, "build", "--checkpoint-dir", str(tiny.checkpoint(LLAMA)),
+                       "--output-dir", str(out_dir), "--tp", "2", "--workers", "2", "--max-seq-len", "64")
+    assert code == 0, err
+    assert (out_dir / "rank0.onnx").is_file() and (out_dir / "rank1.onnx").is_file()
+    config = load_engine_config(out_dir)
+    assert config.mapping.tp_size == 2 and config.mapping.world_size == 2
+    assert config.build.opt_level == "disable"   # saved unoptimized: ORT CPU has no AllReduce kernel
+    # Each rank holds its shard: vocab-parallel lm_head, column-parallel gate_up, two AllReduce per layer.
+    ckpt = load_file(str(tiny.checkpoint(LLAMA) / "rank0.safetensors"))
+    ranks = [onnx.load(str(out_dir / engine_file(r))) for r in (0, 1)]
+    weights = [{t.name: numpy_helper.to_array(t) for t in m.graph.initializer} for m in ranks]
+    lm_head = np.concatenate([w["lm_head.weight"].T for w in weights])
+    np.testing.assert_array_equal(lm_head, ckpt["lm_head.weight"])
+    gate_up = ckpt["layers.1.mlp.gate_up.weight"]               # [gate 128; up 128] rows
+    rank1 = weights[1]["layers.1.mlp.gate_up.weight"].T          # [gate 64; up 64] of rank 1
+    np.testing.assert_array_equal(rank1, np.concatenate([gate_up[64:128], gate_up[192:256]]))
+    assert sum(n.op_type == "AllReduce" for n in ranks[0].graph.node) == 2 * 2
+
+
+def test_inspect_reports_config_versions_plan_and_ops(tiny, monkeypatch, capsys):
+    code, out, _ = cli(monkeypatch, capsys, "inspect", "--engine-dir", str(tiny.engine(LLAMA)))
+    assert code == 0
+    for text in ("LlamaForCausalLM", "max_seq_len", "gpt_attention_plugin", "onnxruntime 1.32",
+                 "runs here", "KV cache per block (4 tokens)", "weights, rank 0", "rank0.onnx:",
+                 "│ Attention ", "ScatterND", "MatMul"):
+        assert text in out, text
+    # Op counts follow the plugin switches: the reference lowering of attention is MatMul + Softmax.
+    code, out, _ = cli(monkeypatch, capsys, "inspect", "--engine-dir", str(tiny.engine(LLAMA, plugins=False)))
+    assert code == 0 and "│ Softmax " in out and "│ Attention " not in out
+
+
+def test_failed_build_leaves_nothing(tiny, tmp_path):
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from engine.builder.build import build_engine
+    from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
+    ckpt_dir = tmp_path / "ckpt"
+    shutil.copytree(tiny.checkpoint(LLAMA), ckpt_dir)
+    tensors = load_file(str(ckpt_dir / "rank0.safetensors"))
+    del tensors["layers.1.mlp.down.weight"]
+    save_file(tensors, str(ckpt_dir / "rank0.safetensors"))
+    with pytest.raises(EngineError, match="lacks layers.1.mlp.down.weight"):
+        build_engine(ckpt_dir, tmp_path / "engine", TEST_BUILD, ALL_PLUGINS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_float16_request_is_computed_in_float32_and_says_so(tiny):
+    from engine.runtime.session import EngineSession
+    from engine.runtime.step_inputs import SeqChunk
+    config = load_engine_config(tiny.engine(LLAMA, dtype="float16"))
+    assert config.build.dtype == "float16"
+    assert config.precision["weights"] == "float32" and "computed in float32" in config.precision["note"]
+    chunk = [SeqChunk([5, 9, 33, 7], 0, [0], True)]
+    half = EngineSession(tiny.engine(LLAMA, dtype="float16"), num_blocks=4).run(chunk)
+    full = EngineSession(tiny.engine(LLAMA), num_blocks=4).run(chunk)
+    np.testing.assert_array_equal(half, full)

@@ -1,0 +1,31 @@
+"""The memory plan against what the built graphs really hold."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.builder.build import rank_tensors
+from engine.builder.memory import memory_plan, plan_rows
+from engine.builder.model_graph import build_graph
+from engine.core.artifacts import load_checkpoint_config
+from engine.core.parallel import kv_heads_per_rank
+from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
+from tests.tiny_models import TINY_CONFIGS
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
+def test_planned_weights_are_the_graph_initializers(tiny, key, tp):
+    ckpt_dir = tiny.checkpoint(key)
+    ckpt = load_checkpoint_config(ckpt_dir)
+    build = dataclasses.replace(TEST_BUILD, tp_size=tp)
+    graph = build_graph(ckpt.model, rank_tensors(ckpt_dir, ckpt, tp, tp - 1), build, ALL_PLUGINS, tp)
+    actual = sum(len(t.raw_data) for t in graph.initializers if not t.name.startswith("/model/constants/"))
+    plan = memory_plan(ckpt.model, build)
+    assert plan.weight_bytes_per_rank == (actual,) * tp
+    m = ckpt.model
+    assert plan.kv_bytes_per_token == m.num_layers * 2 * kv_heads_per_rank(m, tp) * m.head_dim * 4
+    assert plan.kv_bytes_per_block == plan.kv_bytes_per_token * build.tokens_per_block
+    assert plan.activation_bytes > 0
+    assert len(plan_rows(plan, build)) == tp + 4

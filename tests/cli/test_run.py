@@ -1,0 +1,122 @@
+"""`engine run` on a tiny engine, in a subprocess: outputs, streaming, chat, JSON, and clean errors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.tiny_engine import build_tiny_engine
+
+ENGINE = [str(Path(sys.executable).parent / "engine")]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    return build_tiny_engine(tmp_path_factory.mktemp("cli_run"))[1]
+
+
+def run(engine_dir, *args, check_rc=0):
+    r = subprocess.run(ENGINE + ["run", "--engine-dir", str(engine_dir), "--max-kv-tokens", "512", *args],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
+    assert r.returncode == check_rc, f"rc {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+    return r
+
+
+def assert_one_line_error(r, *needles):
+    err = r.stderr.strip()
+    assert "Traceback" not in r.stderr and "\n" not in err, r.stderr
+    assert err.startswith("error:"), err
+    for n in needles:
+        assert n in err, err
+
+
+def test_batch_output_json_matches_the_python_api(engine_dir, tmp_path):
+    from engine.runtime import LLM, SamplingParams
+    out = tmp_path / "out.json"
+    r = run(engine_dir, "--input-text", "The capital of France is", "--input-text", "Hello", "--max-output-len", "8",
+            "--output-json", str(out))
+    data = json.loads(out.read_text())
+    llm = LLM(engine_dir, max_kv_tokens=512)
+    want = llm.generate(["The capital of France is", "Hello"], SamplingParams(temperature=0, max_tokens=8))
+    assert [d["token_ids"] for d in data] == [w.token_ids for w in want]
+    assert [d["text"] for d in data] == [w.text for w in want]
+    assert [d["prompt_tokens"] for d in data] == [w.num_prompt_tokens for w in want]
+    for i, w in enumerate(want):
+        assert f"Output [Text {i}]: {json.dumps(w.text, ensure_ascii=False)}" in r.stdout
+    assert "TTFT (ms)" in r.stderr and "decode tok/s" in r.stderr and "time to first token" in r.stderr
+
+
+def test_streaming_prints_the_same_text(engine_dir, tmp_path):
+    out = tmp_path / "out.json"
+    r = run(engine_dir, "--input-text", "naïve café", "--max-output-len", "12", "--streaming", "--output-json",
+            str(out))
+    assert r.stdout == json.loads(out.read_text())[0]["text"] + "\n"
+    r = run(engine_dir, "--input-text", "one", "--input-text", "two", "--max-output-len", "6", "--streaming",
+            "--output-json", str(out))
+    texts = [d["text"] for d in json.loads(out.read_text())]
+    lines = {0: [], 1: []}
+    for line in r.stdout.splitlines():
+        tag, sep, text = line.partition("] ")
+        assert sep and tag in ("[0", "[1"), line
+        lines[int(tag[1:])].append(text)
+    for i, text in enumerate(texts):
+        assert "\n".join(lines[i]) == text.removesuffix("\n")
+
+
+def test_chat_input_file_stop_and_sampling(engine_dir, tmp_path):
+    from engine.runtime import Tokenizer
+    f = tmp_path / "prompts.txt"
+    f.write_text("What is the capital of France?\n\nHello there\n")
+    out = tmp_path / "out.json"
+    run(engine_dir, "--input-file", str(f), "--chat", "--max-output-len", "5", "--temperature", "0.8",
+        "--top-p", "0.9", "--seed", "3", "--output-json", str(out))
+    data = json.loads(out.read_text())
+    tok = Tokenizer(engine_dir)
+    assert [d["prompt_tokens"] for d in data] == [
+        len(tok.encode_chat([{"role": "user", "content": p}])) for p in ("What is the capital of France?",
+                                                                         "Hello there")]
+    out2 = tmp_path / "out2.json"
+    run(engine_dir, "--input-file", str(f), "--chat", "--max-output-len", "5", "--temperature", "0.8",
+        "--top-p", "0.9", "--seed", "3", "--output-json", str(out2))
+    assert json.loads(out2.read_text()) == [{**d, "time_to_first_token_s": d2["time_to_first_token_s"],
+                                             "decode_tokens_per_s": d2["decode_tokens_per_s"]}
+                                            for d, d2 in zip(data, json.loads(out2.read_text()))]
+    # --end-id: stop at the third greedy token
+    run(engine_dir, "--input-text", "Hello", "--max-output-len", "8", "--output-json", str(out))
+    greedy = json.loads(out.read_text())[0]["token_ids"]
+    run(engine_dir, "--input-text", "Hello", "--max-output-len", "8", "--end-id", str(greedy[2]),
+        "--output-json", str(out))
+    d = json.loads(out.read_text())[0]
+    assert d["token_ids"] == greedy[:greedy.index(greedy[2]) + 1] and d["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("args, rc, needles", [
+    (["--input-text", "", "--max-output-len", "4"], 2, ["prompt 0 is empty"]),
+    (["--input-text", "Paris " * 60, "--max-output-len", "4"], 1, ["max_input_len 48",
+                                                                    "maximum context length is 64"]),
+    (["--input-text", "hi", "--max-output-len", "4", "--top-p", "1.5"], 2, ["top_p 1.5"]),
+    (["--input-text", "hi", "--max-output-len", "4", "--temperature", "-1"], 2, ["temperature -1"]),
+    (["--input-text", "hi", "--max-output-len", "0"], 2, ["--max-output-len 0"]),
+    (["--max-output-len", "4"], 2, ["--input-text"]),
+])
+def test_bad_input_is_one_clear_line(engine_dir, args, rc, needles):
+    assert_one_line_error(run(engine_dir, *args, check_rc=rc), *needles)
+
+
+def test_too_small_kv_cache_names_what_fits(engine_dir):
+    r = subprocess.run(ENGINE + ["run", "--engine-dir", str(engine_dir), "--max-kv-tokens", "20", "--input-text",
+                                 "hi", "--max-output-len", "4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert_one_line_error(r, "largest max_seq_len that fits is 24")
+
+
+def test_help_names_defaults_and_units():
+    r = subprocess.run(ENGINE + ["run", "--help"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    for flag in ("--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty", "--presence-penalty",
+                 "--frequency-penalty", "--seed", "--stop", "--end-id", "--streaming", "--chat", "--output-json",
+                 "--kv-cache-mem-fraction", "--max-kv-tokens", "--threads", "--input-file", "--max-output-len"):
+        assert flag in r.stdout

@@ -1,0 +1,57 @@
+"""Builds a one-op graph with builder.graph.Graph and runs it on ORT's CPU provider, as engines run.
+
+    y = run_op(lambda g, x: rms_norm(g, x, ...), {"x": array})
+
+The graph's inputs are the feeds (name, dtype, rank taken from the arrays, every dimension symbolic so no
+shape is baked in); the op's result is the single output. Sessions use ORT_ENABLE_ALL, the level engines are
+optimized with, so ORT's own fusions are exercised too.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from engine.builder.graph import Graph
+
+ONNX_TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int64): onnx.TensorProto.INT64,
+              np.dtype(np.bool_): onnx.TensorProto.BOOL}
+
+
+def build(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray]) -> tuple[Graph, list[str]]:
+    g = Graph("plugin_test")
+    names = [g.input(n, ONNX_TYPES[a.dtype], [f"{n}_d{i}" for i in range(a.ndim)]) for n, a in feeds.items()]
+    result = fn(g, *names)
+    results = list(result) if isinstance(result, tuple) else [result]
+    outputs = [f"out_{k}" for k in range(len(results))]
+    for value, out in zip(results, outputs):   # every op here returns [T, features]
+        g.output(value, out, onnx.TensorProto.FLOAT, [f"{out}_d0", f"{out}_d1"])
+    return g, outputs
+
+
+def run_op(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray],
+           level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+    """Returns the op's output (a tuple when fn returns several values)."""
+    g, outputs = build(fn, feeds)
+    model = g.model()
+    onnx.checker.check_model(model, full_check=True)   # valid ONNX, standard ops' types and attributes included
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = level
+    opts.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    results = session.run(outputs, feeds)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def node_names(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray]) -> list[str]:
+    g, _ = build(fn, feeds)
+    return [n.name for n in g.nodes if not n.name.startswith("/model/output/")]
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """fp32 tolerance: ~1e-5 relative to the magnitude of the values."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert np.all(np.isfinite(actual)), "non-finite values in the output"
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)

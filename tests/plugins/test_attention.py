@@ -1,0 +1,158 @@
+"""plugins.attention: write_kv + paged_attention on a random block pool, both lowerings against a NumPy
+reference that walks each sequence's context token by token, and against each other.
+
+The step's index arrays are built here the way core/engine_config.py specifies them, from random block tables
+over a shuffled pool, with sequences mixing fresh prefills, chunked prefills (history already in the pool) and
+decodes, so padded query rows and padded context slots are always present.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from engine.core.errors import EngineError
+from engine.plugins.attention import paged_attention, write_kv
+
+from .runner import assert_close, node_names, run_op
+
+BLOCK = 4   # tokens per block: small, so contexts span many scattered blocks
+
+
+@dataclass
+class Step:
+    """One scheduler step over a random pool: the graph inputs plus what the reference needs."""
+    feeds: dict
+    contexts: list      # per sequence: pool slots of its context tokens, in position order
+    q_rows: list        # per sequence: packed indices of its new tokens
+
+
+def make_step(rng, seqs, num_kv_heads, head_dim, num_heads, num_blocks=64, window=None) -> Step:
+    """seqs: (context length after this step, new tokens) per sequence."""
+    kv_size = num_kv_heads * head_dim
+    free = list(rng.permutation(num_blocks))
+    contexts, q_rows, slots, positions = [], [], [], []
+    for ctx, new in seqs:
+        blocks = [free.pop() for _ in range(-(-ctx // BLOCK))]
+        table = [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)]
+        contexts.append(table)
+        q_rows.append(list(range(len(slots), len(slots) + new)))
+        slots += table[ctx - new:]
+        positions += list(range(ctx - new, ctx))
+    tokens, batch = len(slots), len(seqs)
+    q_max, l_max = max(n for _, n in seqs), max(c for c, _ in seqs)
+    q_index = np.zeros((batch, q_max), np.int64)
+    kv_slots = np.zeros((batch, l_max), np.int64)
+    mask = np.zeros((batch, 1, q_max, l_max), bool)
+    out_index = np.zeros(tokens, np.int64)
+    for b, (ctx, new) in enumerate(seqs):
+        q_index[b, :new] = q_rows[b]
+        kv_slots[b, :ctx] = contexts[b]
+        for j in range(new):
+            p = ctx - new + j
+            lo = 0 if window is None else max(0, p - window + 1)
+            mask[b, 0, j, lo:p + 1] = True
+            out_index[q_rows[b][j]] = b * q_max + j
+    num_slots = num_blocks * BLOCK
+    feeds = {
+        "q": rng.standard_normal((tokens, num_heads * head_dim)).astype(np.float32),
+        "k": rng.standard_normal((tokens, kv_size)).astype(np.float32),
+        "v": rng.standard_normal((tokens, kv_size)).astype(np.float32),
+        # Stale values everywhere in the pool: what is not this step's context must not matter.
+        "kcache": (rng.standard_normal((num_slots, kv_size)) * 3).astype(np.float32),
+        "vcache": (rng.standard_normal((num_slots, kv_size)) * 3).astype(np.float32),
+        "slot_mapping": np.array(slots, np.int64),
+        "q_index": q_index, "kv_slots": kv_slots, "attn_mask": mask, "out_index": out_index,
+    }
+    return Step(feeds, contexts, q_rows)
+
+
+def reference(step: Step, num_heads, num_kv_heads, head_dim, scale, softcap, window=None) -> np.ndarray:
+    """Per token, per head: softmax over its visible context (float64), the pools updated with the new K/V."""
+    f = step.feeds
+    kpool, vpool = f["kcache"].astype(np.float64), f["vcache"].astype(np.float64)
+    kpool[f["slot_mapping"]], vpool[f["slot_mapping"]] = f["k"], f["v"]
+    group = num_heads // num_kv_heads
+    out = np.zeros(f["q"].shape)
+    for table, rows in zip(step.contexts, step.q_rows):
+        for j, t in enumerate(rows):
+            p = len(table) - len(rows) + j
+            visible = table[0 if window is None else max(0, p - window + 1): p + 1]
+            for h in range(num_heads):
+                kv = slice((h // group) * head_dim, (h // group + 1) * head_dim)
+                q = f["q"][t, h * head_dim:(h + 1) * head_dim].astype(np.float64)
+                s = kpool[visible, kv] @ q * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                w = np.exp(s - s.max())
+                out[t, h * head_dim:(h + 1) * head_dim] = (w / w.sum()) @ vpool[visible, kv]
+    return out.astype(np.float32)
+
+
+def attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, plugin):
+    def fn(g, q, k, v, kcache, vcache, slot_mapping, q_index, kv_slots, attn_mask, out_index):
+        kc = write_kv(g, kcache, slot_mapping, k, name="/model/layers.0/attn/k_cache")
+        vc = write_kv(g, vcache, slot_mapping, v, name="/model/layers.0/attn/v_cache")
+        return paged_attention(g, q, kc, vc, q_index=q_index, kv_slots=kv_slots, mask=attn_mask,
+                               out_index=out_index, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, scale=scale, softcap=softcap,
+                               name="/model/layers.0/attn/attention", plugin=plugin)
+    return fn
+
+
+STEPS = {
+    "prefill": [(23, 23)],
+    "decode-batch": [(9, 1), (40, 1), (1, 1), (17, 1)],
+    "mixed": [(30, 30), (61, 1), (37, 12), (5, 1), (16, 4)],   # prefill, decode, chunked prefills
+}
+
+
+@pytest.mark.parametrize("plugin", [False, True])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 2, 32)])
+@pytest.mark.parametrize("steps", list(STEPS))
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_paged_attention(plugin, num_heads, num_kv_heads, head_dim, steps, softcap):
+    rng = np.random.default_rng(7)
+    step = make_step(rng, STEPS[steps], num_kv_heads, head_dim, num_heads)
+    scale = head_dim ** -0.5 * (2.0 if softcap else 1.0)   # larger scores so the softcap really bends them
+    y = run_op(attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, plugin), step.feeds)
+    assert_close(y, reference(step, num_heads, num_kv_heads, head_dim, scale, softcap))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (6, 3)])
+def test_lowerings_agree_with_sliding_window_mask(num_heads, num_kv_heads):
+    """The mask is the only thing that differs for sliding layers; both lowerings must honour any mask."""
+    rng = np.random.default_rng(8)
+    step = make_step(rng, STEPS["mixed"], num_kv_heads, 32, num_heads, window=8)
+    expected = reference(step, num_heads, num_kv_heads, 32, 0.2, None, window=8)
+    ours = [run_op(attention_graph(num_heads, num_kv_heads, 32, 0.2, None, plugin), step.feeds)
+            for plugin in (False, True)]
+    assert_close(ours[0], expected)
+    assert_close(ours[1], expected)
+    assert_close(ours[0], ours[1])
+
+
+def test_write_kv_updates_only_the_mapped_slots():
+    rng = np.random.default_rng(9)
+    cache = rng.standard_normal((40, 12)).astype(np.float32)
+    slots = rng.permutation(40)[:7].astype(np.int64)
+    new = rng.standard_normal((7, 12)).astype(np.float32)
+    y = run_op(lambda g, c, s, n: write_kv(g, c, s, n, name="/w"), {"c": cache, "s": slots, "n": new})
+    expected = cache.copy()
+    expected[slots] = new
+    np.testing.assert_array_equal(y, expected)
+
+
+def test_node_names():
+    step = make_step(np.random.default_rng(0), [(3, 1)], 1, 8, 2)
+    names = node_names(attention_graph(2, 1, 8, 0.3, None, True), step.feeds)
+    assert names == ["/model/layers.0/attn/k_cache/Unsqueeze", "/model/layers.0/attn/k_cache/ScatterND",
+                     "/model/layers.0/attn/v_cache/Unsqueeze", "/model/layers.0/attn/v_cache/ScatterND",
+                     "/model/layers.0/attn/attention/Gather", "/model/layers.0/attn/attention/Gather_1",
+                     "/model/layers.0/attn/attention/Gather_2", "/model/layers.0/attn/attention/Attention",
+                     "/model/layers.0/attn/attention/Reshape", "/model/layers.0/attn/attention/Gather_3"]
+
+
+def test_rejects_bad_head_counts():
+    step = make_step(np.random.default_rng(0), [(3, 1)], 2, 8, 3)
+    with pytest.raises(EngineError, match="multiple"):
+        run_op(attention_graph(3, 2, 8, 0.3, None, True), step.feeds)

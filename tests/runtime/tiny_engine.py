@@ -1,0 +1,20 @@
+"""A tiny engine for runtime and CLI tests: tiny HF Llama -> `engine convert` -> `engine build` (Python API)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# The tiny engine's build limits: small enough that tests can hit every limit and force preemption.
+TINY_BUILD = dict(max_batch_size=8, max_input_len=48, max_seq_len=64, max_num_tokens=40, tokens_per_block=8)
+
+
+def build_tiny_engine(root: Path, key: str = "LlamaForCausalLM", **build) -> tuple[Path, Path]:
+    """HF tiny model -> checkpoint -> engine under `root`; returns (hf_dir, engine_dir)."""
+    from engine.builder.build import build_engine
+    from engine.core.engine_config import BuildConfig, PluginConfig
+    from engine.recipes.convert import ConvertConfig, convert
+    from engine.recipes.sources import HFDirSource
+    from tests.tiny_models import make_tiny_model
+    hf = make_tiny_model(key, root / "hf")
+    convert(HFDirSource(hf), ConvertConfig(output_dir=root / "ckpt"))
+    build_engine(root / "ckpt", root / "engine", BuildConfig(**{**TINY_BUILD, **build}), PluginConfig())
+    return hf, root / "engine"

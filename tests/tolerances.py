@@ -1,0 +1,21 @@
+"""Tolerances of engine outputs against references, per compute dtype: the one place they are kept.
+
+`logits_atol` bounds the max absolute difference of logits against transformers (float32, eager attention)
+and between two runs of the engine that must agree (paged vs full recompute, batched vs alone).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+TOLERANCES = {
+    "float32": {"logits_atol": 1e-3},
+}
+
+
+def assert_logits_close(actual: np.ndarray, expected: np.ndarray, dtype: str = "float32", what: str = "") -> None:
+    atol = TOLERANCES[dtype]["logits_atol"]
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert np.isfinite(actual).all(), f"{what}: non-finite logits"
+    diff = float(np.abs(actual - expected).max())
+    assert diff <= atol, f"{what}: max abs logit difference {diff:.3g} > {atol} ({dtype})"
