@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 OPSET = 23          # standard Attention, RMSNormalization, RotaryEmbedding
 MS_OPSET = 1        # com.microsoft contrib ops

@@ -14,29 +14,15 @@ from __future__ import annotations
 from engine.core.config import ModelConfig
 from engine.core.engine_config import BuildConfig, MemoryPlan
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
+from engine.core.tensors import rank_elements
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def rank_weight_elements(model: ModelConfig, tp: int, max_seq_len: int) -> int:
-    h, hd, inter = model.hidden_size, model.head_dim, model.intermediate_size // tp
-    q = model.num_heads // tp * hd
-    kv = kv_heads_per_rank(model, tp) * hd
-    per_layer = h * (q + 2 * kv) + q * h + 2 * inter * h + inter * h + 2 * h
-    if model.qkv_bias:
-        per_layer += q + 2 * kv
-    if model.qk_norm:
-        per_layer += 2 * hd
-    if model.sandwich_norms:
-        per_layer += 2 * h
-    if not model.tie_word_embeddings or tp > 1:  # a tied tp=1 lm_head reads the embedding itself
-        lm_head = padded_vocab_size(model, tp) // tp * h
-    else:
-        lm_head = 0
-    # Rotary cos/sin tables: one pair, two with a separate local rope for sliding layers.
+    """The packed tensors of one rank, plus the rotary cos/sin tables (two pairs with a separate local rope)."""
     rope_tables = 2 if model.local_rope is not None and "sliding" in model.layer_types else 1
-    return (model.num_layers * per_layer + model.vocab_size * h + h + lm_head
-            + rope_tables * 2 * max_seq_len * (hd // 2))
+    return rank_elements(model, tp) + rope_tables * 2 * max_seq_len * (model.head_dim // 2)
 
 
 def memory_plan(model: ModelConfig, build: BuildConfig) -> MemoryPlan:

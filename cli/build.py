@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from engine.core.errors import EngineError
@@ -92,8 +93,8 @@ def build_command(
                               progress=step)
     note = config.precision.get("note")
     if note:
-        Console(stderr=True).print(f"[yellow]note:[/] {note}")
+        Console(stderr=True, soft_wrap=True).print(f"[yellow]note:[/] {escape(note)}")
     m = config.model
-    console.print(f"[green]built[/] {m.architecture} engine ({build.backend} {config.backend_version}, tp "
+    Console(highlight=False, soft_wrap=True).print(f"[green]built[/] {m.architecture} engine ({build.backend} {config.backend_version}, tp "
                   f"{build.tp_size}, max_seq_len {build.max_seq_len}, max_batch_size {build.max_batch_size}) in "
-                  f"{output_dir}")
+                  f"{escape(str(output_dir))}")

@@ -17,13 +17,13 @@ When tp exceeds the KV heads, each rank gets a copy of KV head `r * kv_heads // 
 """
 from __future__ import annotations
 
-import re
 
 import torch
 
 from .config import ModelConfig
 from .errors import EngineError
 from .parallel import kv_heads_per_rank, padded_vocab_size
+from .tensors import split_kind, split_name
 
 # logical suffix -> (packed suffix, part index, number of parts)
 PACKED = {
@@ -35,36 +35,11 @@ PACKED = {
 }
 PARTS = {"attention.qkv": ("attention.q", "attention.k", "attention.v"), "mlp.gate_up": ("mlp.gate", "mlp.up")}
 
-# logical suffix (without ".weight"/".bias") -> split kind
-SPLITS = {
-    "attention.q": "q_heads",
-    "attention.k": "kv_heads",
-    "attention.v": "kv_heads",
-    "attention.dense": "row",
-    "mlp.gate": "column",
-    "mlp.up": "column",
-    "mlp.down": "row",
-    "lm_head": "vocab",
-}
-
-_LAYER = re.compile(r"^(layers\.\d+\.)(.+)\.(weight|bias)$")
-_TOP = re.compile(r"^()(.+)\.(weight|bias)$")
-
-
-def split_name(name: str) -> tuple[str, str, str]:
-    """'layers.3.attention.q.weight' -> ('layers.3.', 'attention.q', 'weight')."""
-    m = _LAYER.match(name) or _TOP.match(name)
-    if m is None:
-        raise ValueError(f"not a canonical tensor name: {name}")
-    return m.group(1), m.group(2), m.group(3)
-
-
 def shard(name: str, tensor: torch.Tensor, model: ModelConfig, tp: int, rank: int) -> torch.Tensor:
     """The slice of logical tensor `name` that rank `rank` of `tp` holds."""
     if tp == 1:
         return tensor
-    _, suffix, _ = split_name(name)
-    kind = SPLITS.get(suffix, "replicated")
+    kind = split_kind(name)
     hd = model.head_dim
     if kind == "replicated":
         return tensor
@@ -137,8 +112,7 @@ def unpack_and_merge(ranks: list[dict[str, torch.Tensor]], model: ModelConfig) -
         per_rank.append(logical)
     merged = {}
     for name in per_rank[0]:
-        _, suffix, _ = split_name(name)
-        kind = SPLITS.get(suffix, "replicated")
+        kind = split_kind(name)
         shards = [r[name] for r in per_rank]
         if kind == "replicated" or tp == 1:
             merged[name] = shards[0]

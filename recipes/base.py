@@ -180,21 +180,3 @@ class Recipe:
         name = self.canonical_name(hf_name)
         if name is not None:
             yield name, tensor
-
-    def expected_tensors(self, model: ModelConfig) -> set[str]:
-        """Every logical tensor a complete model of this family has."""
-        names = {"vocab_embedding.weight", "final_norm.weight"}
-        if not model.tie_word_embeddings:
-            names.add("lm_head.weight")
-        per_layer = ["attn_norm.weight", "attention.q.weight", "attention.k.weight", "attention.v.weight",
-                     "attention.dense.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
-                     "mlp.down.weight"]
-        if model.qkv_bias:
-            per_layer += ["attention.q.bias", "attention.k.bias", "attention.v.bias"]
-        if model.qk_norm:
-            per_layer += ["attention.q_norm.weight", "attention.k_norm.weight"]
-        if model.sandwich_norms:
-            per_layer += ["attn_post_norm.weight", "mlp_post_norm.weight"]
-        for i in range(model.num_layers):
-            names.update(f"layers.{i}.{n}" for n in per_layer)
-        return names

@@ -26,10 +26,11 @@ from safetensors.torch import save_file
 
 from engine.core.artifacts import (CheckpointConfig, atomic_output_dir, copy_tokenizer_files, rank_file,
                                    save_config)
-from engine.core.config import Mapping, ModelConfig, parse_dtype
+from engine.core.config import Mapping, parse_dtype
 from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
-from engine.core.sharding import PACKED, Packer, shard, split_name
+from engine.core.sharding import PACKED, Packer, shard
+from engine.core.tensors import logical_shapes, split_name
 
 from . import recipe_for
 from .base import Recipe
@@ -135,13 +136,14 @@ def _convert_rank(source, recipe: Recipe, ckpt: CheckpointConfig, rank: int, pro
     model, tp = ckpt.model, ckpt.mapping.tp_size
     torch_dtype = TORCH_DTYPES[ckpt.dtype]
     packer = Packer()
+    shapes = logical_shapes(model)
     out: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     for hf_name in source.names():
         for name, tensor in recipe.modify_tensors(hf_name, source.get(hf_name)):
             if name == "lm_head.weight" and model.tie_word_embeddings:
                 continue  # a saved copy of the tied embedding
-            check_shape(hf_name, name, tensor, model)
+            check_shape(hf_name, name, tensor, shapes.get(name))
             logical = [(name, tensor)]
             if name == "vocab_embedding.weight" and model.tie_word_embeddings and tp > 1:
                 logical.append(("lm_head.weight", tensor))  # vocab-parallel lm_head needs its own shards
@@ -155,7 +157,7 @@ def _convert_rank(source, recipe: Recipe, ckpt: CheckpointConfig, rank: int, pro
             del tensor, logical, t  # hold no source tensor while the next one is read
         if progress:
             progress(hf_name)
-    missing = sorted(recipe.expected_tensors(model) - seen)
+    missing = sorted(set(shapes) - seen)
     if missing:
         shown = ", ".join(_with_source_name(recipe, m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -179,38 +181,9 @@ def _own(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-# Shapes of the logical canonical tensors, in torch Linear layout [out_features, in_features].
-_SHAPES = {
-    "vocab_embedding.weight": lambda m: (m.vocab_size, m.hidden_size),
-    "lm_head.weight": lambda m: (m.vocab_size, m.hidden_size),
-    "final_norm.weight": lambda m: (m.hidden_size,),
-    "attn_norm.weight": lambda m: (m.hidden_size,),
-    "mlp_norm.weight": lambda m: (m.hidden_size,),
-    "attn_post_norm.weight": lambda m: (m.hidden_size,),
-    "mlp_post_norm.weight": lambda m: (m.hidden_size,),
-    "attention.q.weight": lambda m: (m.q_size, m.hidden_size),
-    "attention.k.weight": lambda m: (m.kv_size, m.hidden_size),
-    "attention.v.weight": lambda m: (m.kv_size, m.hidden_size),
-    "attention.q.bias": lambda m: (m.q_size,),
-    "attention.k.bias": lambda m: (m.kv_size,),
-    "attention.v.bias": lambda m: (m.kv_size,),
-    "attention.q_norm.weight": lambda m: (m.head_dim,),
-    "attention.k_norm.weight": lambda m: (m.head_dim,),
-    "attention.dense.weight": lambda m: (m.hidden_size, m.q_size),
-    "mlp.gate.weight": lambda m: (m.intermediate_size, m.hidden_size),
-    "mlp.up.weight": lambda m: (m.intermediate_size, m.hidden_size),
-    "mlp.down.weight": lambda m: (m.hidden_size, m.intermediate_size),
-}
-
-
-def check_shape(hf_name: str, name: str, tensor: torch.Tensor, model: ModelConfig) -> None:
+def check_shape(hf_name: str, name: str, tensor: torch.Tensor, expected: tuple[int, ...] | None) -> None:
     """Refuse a tensor whose shape disagrees with config.json (the weights belong to another model)."""
-    _, suffix, kind = split_name(name)
-    shape_of = _SHAPES.get(f"{suffix}.{kind}")
-    if shape_of is None:
-        return  # a tensor a family adds (none today); its recipe checks it
-    expected = shape_of(model)
-    if tuple(tensor.shape) != expected:
+    if expected is not None and tuple(tensor.shape) != expected:
         raise EngineError(f"tensor {hf_name} has shape {list(tensor.shape)}, but config.json describes "
                           f"{list(expected)} for {name}; the weights do not belong to this config.json")
 

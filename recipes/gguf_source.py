@@ -1,14 +1,23 @@
 """A llama.cpp GGUF file as a TensorSource: dequantized float32 tensors under Hugging Face names, the HF config
 and the tokenizer (with its chat template) recovered from the file's metadata.
 
-    GGUF file ──GGUFReader (memory map)──▶ one tensor ──gguf.quants.dequantize──▶ float32 ──undo q/k permutation──▶
-    (metadata) ──transformers load_gguf_checkpoint──▶ config dict ──▶ HF config (architectures, dtype float32)
-    (metadata) ──transformers AutoTokenizer(gguf_file=...)──▶ tokenizer.json, tokenizer_config.json, chat template
+    GGUF file ──read_gguf_metadata (once, vocabulary skipped)──▶ metadata ──▶ HF config (architectures, float32)
+              ──tensor table──▶ (offset, type, shape) ──memory map, one tensor──▶ gguf.quants.dequantize ──▶
+                 float32 ──undo q/k permutation──▶ HF tensor
+              ──the tokenizer class AutoTokenizer picks (gguf_file=...)──▶ tokenizer.json, tokenizer_config.json
 
-The config and the tokenizer come from transformers' GGUF integration and the q/k un-permutation from its tensor
-processor, so a checkpoint converted from a GGUF equals one converted from the HF model transformers loads from the
-same file. The tokenizer files live in a temporary directory this source owns: use it as a context manager or call
-close(). This module knows GGUF and HF names; it must not know canonical names (the family recipes own those).
+What transformers makes from the same file is the reference, so each step is transformers' own: its metadata reader
+and config tables, its tensor processor (the q/k un-permutation), the tokenizer class and GGUF tokenizer converter
+AutoTokenizer uses. Two shortcuts cut opening SmolLM2-135M (names and tokenizer) from ~25 s to ~1 s past the imports,
+and tests check both against transformers:
+- for llama/qwen2/qwen3, transformers 5.24 builds the config with its legacy loader (load_gguf_checkpoint), which
+  decodes every metadata value through gguf.GGUFReader, a 49k-token vocabulary included (~12 s), to use a dozen
+  numbers; gguf_config_dict applies the same tables to metadata read once, string arrays skipped;
+- AutoTokenizer runs that legacy loader again only to choose the tokenizer class; _write_tokenizer makes the same
+  choice from the config class at hand, and the class reads just the vocabulary and merges it needs.
+
+The tokenizer files live in a temporary directory this source owns: use it as a context manager or call close().
+This module knows GGUF and HF names; it must not know canonical names (the family recipes own those).
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ import json
 import re
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -74,18 +84,19 @@ class GGUFSource:
         self.path = Path(path)
         if not self.path.is_file():
             raise EngineError(f"--gguf {self.path} is not a file; pass a llama.cpp .gguf file", usage=True)
-        self._reader = _open_reader(self.path)
-        self.architecture = _field(self._reader, "general.architecture")
+        self._metadata = _read_metadata(self.path)
+        self.architecture = self._metadata["general.architecture"]
         supported = supported_architectures()
         if self.architecture not in supported:
             raise EngineError(f"GGUF architecture {self.architecture!r} of {self.path} is not supported; supported: "
                               f"{', '.join(supported)}")
+        self._tensors = {t.name: t for t in _tensor_table(self.path)}
         self._refuse_rope_scaling()
-        self._config, self._generation, processor_config = self._load_config()
+        self._config, self._generation, processor_config, self._config_class = self._load_config()
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=processor_config)
-        self._tensors = {t.name: t for t in self._reader.tensors}
         self._hf_names = self._map_names()
+        self._blob = np.memmap(self.path, mode="r", dtype=np.uint8)  # pages are read when a tensor is asked for
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._tokenizer_dir: Path | None = None
 
@@ -93,29 +104,25 @@ class GGUFSource:
 
     def _refuse_rope_scaling(self) -> None:
         """transformers reads no rope scaling from a GGUF, so neither a match with it nor a correct model exists."""
-        scaling = _field(self._reader, f"{self.architecture}.rope.scaling.type", "none")
-        if scaling != "none" or "rope_freqs.weight" in {t.name for t in self._reader.tensors}:
+        scaling = self._metadata.get(f"{self.architecture}.rope.scaling.type", "none")
+        if scaling != "none" or "rope_freqs.weight" in self._tensors:
             what = f"rope scaling {scaling!r}" if scaling != "none" else "per-dimension rope factors (rope_freqs)"
             raise EngineError(f"{self.path} uses {what}, which cannot be recovered from GGUF metadata; convert the "
                               "original Hugging Face model with --model-dir instead")
 
-    def _load_config(self) -> tuple[dict, dict, dict]:
-        """(HF config dict, generation config dict, the raw parsed config) as transformers makes them."""
+    def _load_config(self) -> tuple[dict, dict, dict, type]:
+        """(HF config dict, generation config dict, the raw parsed config, the config class) as transformers makes
+        them."""
         from transformers import CONFIG_MAPPING, GenerationConfig
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        try:
-            parsed = dict(load_gguf_checkpoint(str(self.path), return_tensors=False)["config"])
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise EngineError(f"cannot read the model config from the metadata of {self.path}: {e}; the GGUF file is "
-                              "incomplete or was not written by llama.cpp's converter") from None
+        parsed = gguf_config_dict(self._metadata, tuple(self._tensors))
         model_type = parsed.get("model_type")
         try:
             config = CONFIG_MAPPING[model_type].from_dict(dict(parsed))
         except (KeyError, ValueError, TypeError) as e:
             raise EngineError(f"the metadata of {self.path} does not make a valid {model_type} config: {e}") from None
-        key_length = _field(self._reader, f"{self.architecture}.attention.key_length", None)
+        key_length = self._metadata.get(f"{self.architecture}.attention.key_length")
         if key_length is not None and "head_dim" not in parsed and getattr(config, "head_dim", None) is not None:
             # Qwen3 states head_dim only here; transformers' GGUF mapping skips it and falls back to the class
             # default (128), which is right for released Qwen3 models and fails to load any other.
@@ -131,7 +138,7 @@ class GGUFSource:
         hf["dtype"] = hf["torch_dtype"] = "float32"
         generation = GenerationConfig.from_model_config(config).to_diff_dict()
         generation.pop("transformers_version", None)
-        return hf, generation, parsed
+        return hf, generation, parsed, type(config)
 
     # ---- tensors -------------------------------------------------------------------------------------------
 
@@ -154,12 +161,17 @@ class GGUFSource:
         return list(self._hf_names)
 
     def get(self, name: str) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
         tensor = self._tensors[self._hf_names[name]]
+        # GGUFReader's layout for a tensor: its bytes as rows of the last dimension; dequantize reads F32/F16 as
+        # views of them and unpacks quantized blocks row by row.
+        raw = np.asarray(self._blob[tensor.start:tensor.start + tensor.nbytes]).reshape(*tensor.shape[:-1], -1)
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            qtype = GGMLQuantizationType(tensor.ggml_type)
+            values = dequantize(raw, qtype)
         except (NotImplementedError, ValueError) as e:
-            raise EngineError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) of {self.path}: {e}; "
+            raise EngineError(f"cannot dequantize {tensor.name} (ggml type {tensor.ggml_type}) of {self.path}: {e}; "
                               "re-quantize the model with a type gguf can read (F32, F16, Q8_0, Q4_K, ...)") from None
         # transformers' processor for this architecture: for llama it undoes the q/k row permutation that
         # llama.cpp applies for its rotary layout; for the rest it passes through.
@@ -178,7 +190,8 @@ class GGUFSource:
         """tokenizer.json, tokenizer_config.json (with the chat template), chat_template.jinja, generation_config.json."""
         if self._tokenizer_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="engine-gguf-")  # removed by close() or at exit
-            self._tokenizer_dir = _write_tokenizer(self.path, Path(self._tmp.name), self._generation)
+            self._tokenizer_dir = _write_tokenizer(self.path, Path(self._tmp.name), self._config_class,
+                                                   self._generation)
         return self._tokenizer_dir
 
     def close(self) -> None:
@@ -193,8 +206,42 @@ class GGUFSource:
         self.close()
 
 
-def _write_tokenizer(gguf_path: Path, tmp: Path, generation: dict) -> Path:
-    from transformers import AutoTokenizer
+def gguf_config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """transformers' load_gguf_checkpoint(path, return_tensors=False)["config"] for a GGUF_ARCHITECTURES file, from
+    its metadata (as read_gguf_metadata returns it) and tensor names.
+
+    The same steps with the same tables: tied embeddings when there is no output.weight, the architecture's defaults,
+    then every key the config table names, renamed (a one-element array counts as its element), and the vocabulary
+    size from the token list when no key states it. llama written for a model named exactly "mistral" is mistral,
+    as there. The other branches of load_gguf_checkpoint (t5, stablelm, gemma, lfm2, gpt-oss, ...) are for
+    architectures this source refuses.
+    """
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    architecture = metadata["general.architecture"]
+    updated = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
+    config: dict = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
+    for key, value in defaults.items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, config_key = key.replace(architecture, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str):
+            value = value.replace(architecture, updated)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        if renamed is not None and renamed != -1:
+            config[renamed] = value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
+        tokens = metadata["tokenizer.ggml.tokens"]  # the reader gives a string array's length unless asked for it
+        config["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    return config
+
+
+def _write_tokenizer(gguf_path: Path, tmp: Path, config_class: type, generation: dict) -> Path:
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     # transformers reads tokenizer files from the directory it is given before looking at the GGUF, so it gets a
     # directory of its own that holds only a link to the file.
@@ -202,8 +249,16 @@ def _write_tokenizer(gguf_path: Path, tmp: Path, generation: dict) -> Path:
     view.mkdir()
     (view / gguf_path.name).symlink_to(gguf_path.absolute())
     out = tmp / "tokenizer"
+    # AutoTokenizer.from_pretrained(gguf_file=...) ends, for a GGUF (no tokenizer files, no tokenizer_class in its
+    # config), in its last branch: the class registered for the config class, TokenizersBackend when none is or when
+    # that is MistralCommonBackend (a GGUF is not in Mistral's own format). Choosing it here saves AutoTokenizer's
+    # second legacy read of the whole file; the class then reads only the vocabulary and merges it needs.
+    tokenizer_class = TOKENIZER_MAPPING.get(config_class, TokenizersBackend)
+    if tokenizer_class is None or tokenizer_class.__name__ == "MistralCommonBackend":
+        tokenizer_class = TokenizersBackend
     try:
-        tok = AutoTokenizer.from_pretrained(str(view), gguf_file=gguf_path.name, local_files_only=True)
+        tok = tokenizer_class.from_pretrained(str(view), gguf_file=gguf_path.name, local_files_only=True,
+                                              _from_auto=True)
     except (ValueError, KeyError, OSError) as e:
         raise EngineError(f"cannot build the tokenizer from the metadata of {gguf_path}: {e}") from None
     tok.save_pretrained(str(out))
@@ -219,8 +274,18 @@ def _write_tokenizer(gguf_path: Path, tmp: Path, generation: dict) -> Path:
     return out
 
 
-def _open_reader(path: Path):
-    from gguf import GGUFReader
+class _Tensor(NamedTuple):
+    """Where one tensor's bytes are in the file and how to read them."""
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # torch order
+    start: int  # from the start of the file
+    nbytes: int
+
+
+def _read_metadata(path: Path) -> dict:
+    """The file's metadata, read once; string arrays (the vocabulary, the merges) are left as their lengths."""
+    from transformers.integrations.gguf import read_gguf_metadata
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -230,28 +295,45 @@ def _open_reader(path: Path):
         raise EngineError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'; pass a llama.cpp .gguf "
                           "file (or download it again if it is one)")
     try:
-        reader = GGUFReader(str(path), "r")
-        _field(reader, "general.architecture")
-    except EngineError:
-        raise
-    except Exception as e:  # gguf's parser raises whatever numpy/struct raise on bad bytes
+        metadata, _ = read_gguf_metadata(str(path))
+    except Exception as e:  # the parser raises whatever struct/numpy/utf-8 decoding raise on bad bytes
         raise EngineError(f"cannot read {path} as a GGUF file ({type(e).__name__}: {e}); the file is truncated or "
                           "corrupt — download it again") from None
+    return metadata
+
+
+def _tensor_table(path: Path) -> list[_Tensor]:
+    """Every tensor's place in the file, checked against the file's size."""
+    from transformers.integrations.gguf import GgufHeader
+    try:
+        header = GgufHeader.from_file(str(path))
+        tensors = [_Tensor(t.name, t.ggml_type, t.shape, header.data_start + t.offset, t.nbytes)
+                   for t in header.tensors]
+    except ValueError:
+        # transformers' fast reader sizes only the types its own kernels dequantize; its legacy loader, the
+        # reference for these architectures, reads every type gguf does (Q5_0, Q5_1, BF16, ...) through GGUFReader.
+        tensors = _tensor_table_gguf(path)
+    except Exception as e:
+        raise EngineError(f"cannot read the tensor table of {path} ({type(e).__name__}: {e}); the file is truncated "
+                          "or corrupt — download it again") from None
     size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise EngineError(f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} of a "
+    names = set()
+    for t in tensors:
+        if t.start + t.nbytes > size:
+            raise EngineError(f"{path} is truncated: tensor {t.name} ends at byte {t.start + t.nbytes} of a "
                               f"{size}-byte file — download it again")
-    return reader
+        if t.name in names:
+            raise EngineError(f"{path} holds two tensors named {t.name!r}; the file is corrupt — download it again")
+        names.add(t.name)
+    return tensors
 
 
-_MISSING = object()
-
-
-def _field(reader, key: str, default=_MISSING):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise EngineError(f"GGUF metadata lacks {key!r}; the file was not written by llama.cpp's converter")
-        return default
-    return field.contents()
+def _tensor_table_gguf(path: Path) -> list[_Tensor]:
+    from gguf import GGUFReader
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as e:
+        raise EngineError(f"cannot read {path} as a GGUF file ({type(e).__name__}: {e}); the file is truncated or "
+                          "corrupt — download it again") from None
+    return [_Tensor(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data_offset, t.n_bytes)
+            for t in reader.tensors]

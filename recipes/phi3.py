@@ -23,7 +23,8 @@ import torch
 
 from engine.core.config import ModelConfig, RopeConfig
 from engine.core.errors import EngineError
-from engine.core.sharding import PARTS, split_name
+from engine.core.sharding import PARTS
+from engine.core.tensors import split_name
 
 from .llama import LlamaRecipe
 from .mistral import MistralRecipe
