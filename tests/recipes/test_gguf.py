@@ -5,6 +5,9 @@
 - the real SmolLM2-135M-Instruct Q4_1 GGUF: its checkpoint (config, generation defaults, every tensor, at tp 1 and
   tp 3) equals the checkpoint converted from the HF model transformers makes from the same file, and its tokenizer
   encodes like that model's;
+- the two shortcuts that make opening a file fast equal what they replace: the config dict equals
+  load_gguf_checkpoint's (tiny files, edge cases of its rules, the real file), the tokenizer files equal those
+  AutoTokenizer makes from the same file; types transformers' fast tensor-table reader cannot size still load;
 - corrupt, truncated and unsupported files are refused with exit status 1 and leave no output directory.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from engine.core.artifacts import load_checkpoint_config, rank_file
 from engine.core.errors import EngineError
 from engine.recipes import RECIPES
 from engine.recipes.convert import ConvertConfig, convert
-from engine.recipes.gguf_source import GGUF_ARCHITECTURES, GGUFSource
+from engine.recipes.gguf_source import GGUF_ARCHITECTURES, GGUFSource, gguf_config_dict
 from engine.recipes.sources import HFDirSource
 from tests.tiny_gguf import SPECS, write_tiny_gguf
 
@@ -99,6 +102,88 @@ def test_tokenizer_dir_is_removed_on_close(tmp_path):
         config = json.loads((tok_dir / "tokenizer_config.json").read_text())
         assert config["chat_template"] == (tok_dir / "chat_template.jinja").read_text()
     assert not tok_dir.exists()
+
+
+@pytest.mark.parametrize("qtype", ["Q5_1", "BF16"])
+def test_types_only_gguf_can_size_match_transformers(tmp_path, qtype):
+    """transformers' fast tensor-table reader refuses these types; its legacy loader (the reference) reads them."""
+    from transformers import AutoModelForCausalLM
+    path = tmp_path / "m.gguf"
+    stored = write_tiny_gguf(path, "llama", qtype)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
+    with GGUFSource(path) as source:
+        assert set(source.names()) == set(stored)
+        for name in source.names():
+            got = source.get(name)
+            assert torch.equal(got, ref[name]) and torch.equal(got, stored[name]), name
+
+
+def _legacy_config(path: Path) -> dict:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    return load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+
+
+def _config_dict(path: Path) -> dict:
+    from transformers.integrations.gguf import read_gguf_metadata
+    return gguf_config_dict(*read_gguf_metadata(str(path)))
+
+
+@pytest.mark.parametrize("arch", sorted(SPECS))
+def test_config_dict_equals_load_gguf_checkpoint(tmp_path, arch):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, arch, "Q8_0")
+    expected = _legacy_config(path)
+    assert _config_dict(path) == expected
+    assert expected["model_type"] == arch and expected["num_hidden_layers"] == 2  # not two empty dicts
+
+
+@pytest.mark.parametrize("name, untied", [("mistral", False), ("Mistral 7B", True)])
+def test_config_dict_follows_load_gguf_checkpoint_rules(tmp_path, name, untied):
+    """llama named exactly "mistral" is mistral; a one-element array is its element, a longer one a list; the
+    vocabulary size comes from the token list when no key states it; tied unless there is an output.weight."""
+    import gguf
+    import numpy as np
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_array("llama.attention.head_count_kv", [1])
+    w.add_array("llama.feed_forward_length", [16, 32])
+    w.add_rope_freq_base(1e6)
+    w.add_token_list([f"t{i}" for i in range(11)])
+    w.add_tensor("token_embd.weight", np.zeros((11, 8), dtype=np.float32))
+    if untied:
+        w.add_tensor("output.weight", np.zeros((11, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    expected = _legacy_config(path)
+    assert _config_dict(path) == expected
+    assert expected["model_type"] == ("mistral" if name == "mistral" else "llama")
+    assert (expected["num_key_value_heads"], expected["intermediate_size"], expected["vocab_size"]) == (1, [16, 32], 11)
+    assert expected["tie_word_embeddings"] is not untied
+
+
+@pytest.mark.parametrize("arch", sorted(SPECS))
+def test_tokenizer_files_equal_auto_tokenizer(tmp_path, arch):
+    if GGUF_ARCHITECTURES[arch] not in RECIPES:
+        pytest.skip(f"{GGUF_ARCHITECTURES[arch]} has no registered recipe")
+    from transformers import AutoTokenizer
+    path = tmp_path / "g" / "m.gguf"
+    write_tiny_gguf(path, arch)
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    ref.save_pretrained(str(tmp_path / "ref"))
+    expected = json.loads((tmp_path / "ref" / "tokenizer_config.json").read_text())
+    expected.pop("local_files_only")
+    expected["chat_template"] = ref.chat_template
+    with GGUFSource(path) as source:
+        ours = source.tokenizer_dir()
+        assert json.loads((ours / "tokenizer_config.json").read_text()) == expected
+        for name in ("tokenizer.json", "chat_template.jinja"):
+            assert (ours / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
@@ -211,6 +296,11 @@ def test_real_gguf_tokenizer_matches_hf(real_ckpts, smollm2_gguf):
         assert ours.encode(text) == ref.encode(text), text
         assert ours.decode(ours.encode(text)) == text
     assert ours.encode(rendered)[0] == ours.convert_tokens_to_ids("<|im_start|>") == 1
+
+
+@pytest.mark.slow
+def test_real_gguf_config_dict_equals_load_gguf_checkpoint(smollm2_gguf):
+    assert _config_dict(smollm2_gguf) == _legacy_config(smollm2_gguf)
 
 
 @pytest.mark.slow
