@@ -5,6 +5,10 @@
         rank tensors (lazy from rank{N}.safetensors, or resharded from a checkpoint of another tp)
         -> model_graph.build_graph -> rank{N}.raw.onnx -> ORT optimizes -> rank{N}.onnx + rank{N}.onnx.data
     config.json (EngineConfig), tokenizer files      all inside a temporary sibling, renamed when complete
+    quantized (QuantConfig.mode): the projections are quantized while the graph is built (RTN at build, from the
+        float checkpoint); then an unquantized reference engine is built in a second temporary sibling, both are
+        scored on held-out tokens (quantization/accuracy.py), the report goes into config.json, and
+        --max-ppl-increase can fail the build before anything is renamed into place
 
 Peak memory of a rank: its weights once as arrays being placed plus once in the ONNX proto; each array is
 dropped as soon as the graph holds it, and the proto as soon as it is saved.
@@ -12,7 +16,8 @@ dropped as soon as the graph holds it, and the proto as soon as it is saved.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import shutil
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -24,14 +29,19 @@ from safetensors import safe_open
 
 from engine.core.artifacts import (CheckpointConfig, atomic_output_dir, copy_tokenizer_files,
                                    load_checkpoint_config, rank_file, save_config)
-from engine.core.config import DTYPES, Mapping, ModelConfig
+from engine.core.config import DTYPES, Mapping, ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, EngineConfig, PluginConfig, engine_file
 from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
 from engine.core.sharding import Packer, shard, unpack_and_merge
+from engine.quantization import modes
+from engine.quantization.accuracy import AccuracyOptions, accuracy_report, check_gate, held_out_windows
+from engine.quantization.weight_only import BITS
 from engine.runtime.engine_dir import backend_version, toolchain_version
+from engine.runtime.trt_session import save_stamp
 
 from . import onnxruntime_backend as ortb
+from . import tensorrt_backend as trtb
 from .memory import memory_plan
 from .model_graph import build_graph
 
@@ -59,8 +69,9 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
         raise EngineError(f"--max-num-tokens {b.max_num_tokens} is below --max-batch-size {b.max_batch_size}: a "
                           "decode step of a full batch would not fit; raise --max-num-tokens", usage=True)
     if b.dtype not in DTYPES:
-        raise EngineError(f"--dtype {b.dtype!r} is not supported; use one of {', '.join(DTYPES)}; quantized modes "
-                          "(int8_wo, int4_awq, fp8, ...) come with the quantization support of a later version",
+        hint = (f"; quantized modes are a QuantConfig(mode={b.dtype!r}) with a float32 compute dtype (the CLI's "
+                f"--dtype {b.dtype} does this)" if b.dtype in modes.WEIGHT_ONLY + modes.PLANNED else "")
+        raise EngineError(f"--dtype {b.dtype!r} is not a compute dtype; use one of {', '.join(DTYPES)}{hint}",
                           usage=True)
     if b.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise EngineError(f"--kv-cache-dtype {b.kv_cache_dtype!r} is not supported yet (KV-cache quantization is "
@@ -72,24 +83,29 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
 
 
 def resolve_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise EngineError(f"--backend {name!r} is unknown; use one of {', '.join(BACKENDS)}", usage=True)
-    if name == "tensorrt":
-        why = ("the `tensorrt` package is not installed" if importlib.util.find_spec("tensorrt") is None
-               else "this version builds ONNX Runtime engines only")
-        raise EngineError(f"--backend tensorrt: {why}. The TensorRT backend needs the `tensorrt` extra "
-                          "(pip install 'engine[tensorrt]') and an NVIDIA GPU; use --backend onnxruntime", usage=True)
-    return "onnxruntime"
+    """auto -> tensorrt where `tensorrt` imports and a CUDA GPU is visible, else onnxruntime (tensorrt_backend.py)."""
+    return trtb.resolve_backend(name)
 
 
-def precision_of(ckpt: CheckpointConfig, build: BuildConfig) -> dict:
+def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig | None = None) -> dict:
     """What runs at which precision: the plugins lower float32 only, so float16/bfloat16 requests compute in
     float32 (ORT's CPU provider has no bfloat16 MatMul kernel at all)."""
     note = ("" if build.dtype == "float32" else
             f"--dtype {build.dtype} requested; the ONNX Runtime CPU lowerings compute in float32, so weights are "
             "stored and computed in float32")
-    return {"checkpoint": ckpt.dtype, "weights": "float32", "activations": "float32",
-            "kv_cache": build.kv_cache_dtype, "logits": "float32", **({"note": note} if note else {})}
+    precision = {"checkpoint": ckpt.dtype, "weights": "float32", "activations": "float32",
+                 "kv_cache": build.kv_cache_dtype, "logits": "float32", **({"note": note} if note else {})}
+    if quant is not None and quant.mode is not None:
+        bits = BITS[quant.mode]
+        head = f"int{bits}" if quant.quantize_lm_head else "float32"
+        tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
+        precision.update({
+            "weights": f"int{bits} weight-only ({quant.mode}, RTN, group {quant.group_size}, float32 scales) in "
+                       f"the layers' projections; lm_head {head}; embeddings "
+                       f"{head if tied else 'float32'}",
+            "activations": "float32" if quant.accuracy_level in (0, 1) else
+                           "float32; int8 per block inside MatMulNBits (accuracy_level 4)"})
+    return precision
 
 
 # ---- rank tensors -----------------------------------------------------------------------------------------
@@ -154,13 +170,15 @@ class RankJob:
     rank: int
     build: BuildConfig
     plugins: PluginConfig
+    quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
+    trt: trtb.TensorRTOptions = dataclasses.field(default_factory=trtb.TensorRTOptions)
 
 
 def build_rank(job: RankJob) -> int:
     """Build rank{N}.onnx of `job` into job.out_dir; returns the rank (runs in a worker process)."""
     ckpt = load_checkpoint_config(job.ckpt_dir)
     tensors = rank_tensors(job.ckpt_dir, ckpt, job.build.tp_size, job.rank)
-    graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size)
+    graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size, job.quant)
     del tensors
     # Move the initializers into the proto one at a time (protobuf copies on append), so the weights are never
     # held twice; saving then moves each one's bytes to the external file and clears it.
@@ -170,6 +188,13 @@ def build_rank(job: RankJob) -> int:
     initializers.reverse()
     while initializers:
         proto.graph.initializer.append(initializers.pop())
+    if job.build.backend == "tensorrt":
+        # TensorRT parses the graph as built: an ORT-optimized graph holds contrib ops TensorRT does not know.
+        raw = job.out_dir / f"rank{job.rank}.raw.onnx"
+        ortb.save_raw(proto, raw)
+        del proto
+        trtb.build_rank_engine(raw, job.out_dir / engine_file(job.rank, "tensorrt"), job.build, job.trt)
+        return job.rank
     out = job.out_dir / engine_file(job.rank)
     if job.build.tp_size > 1:
         ortb.save_raw(proto, out)  # unoptimized: see build_engine
@@ -182,37 +207,77 @@ def build_rank(job: RankJob) -> int:
 
 
 def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: PluginConfig, *,
-                 force: bool = False, workers: int = 1,
-                 progress: Callable[[str], None] | None = None) -> EngineConfig:
-    """Build every rank of the engine into `out_dir` (atomically) and return its config."""
+                 force: bool = False, workers: int = 1, progress: Callable[[str], None] | None = None,
+                 quant: QuantConfig | None = None, accuracy: AccuracyOptions | None = None,
+                 trt: trtb.TensorRTOptions | None = None) -> EngineConfig:
+    """Build every rank of the engine into `out_dir` (atomically) and return its config. `quant` with a mode
+    quantizes at build; `accuracy` sets its report and gate (default: sampled held-out text, no gate)."""
     ckpt = load_checkpoint_config(ckpt_dir)
     build = dataclasses.replace(build, backend=resolve_backend(build.backend))
     check_build_config(ckpt.model, build)
+    trt = trt or trtb.TensorRTOptions()
+    if build.backend == "tensorrt":
+        trtb.check_tensorrt_build(build)
+        trtb.check_options(trt)
+        plugins = trtb.tensorrt_plugins(plugins)
+        build = dataclasses.replace(build, opt_level="disable")  # TensorRT optimizes; no ORT level applies
+        if quant is not None and quant.mode is not None and accuracy is not None and accuracy.max_ppl_increase:
+            raise EngineError("--max-ppl-increase is not supported with --backend tensorrt yet (the accuracy report "
+                              "scores engines with onnxruntime); leave it out", usage=True)
     if build.tp_size > 1:
         # ORT's CPU build cannot load a graph with AllReduce, so tp > 1 ranks are saved unoptimized (build_rank);
         # the manifest says so, for the runtime that will optimize them where NCCL/gloo kernels exist.
         build = dataclasses.replace(build, opt_level="disable")
     if ckpt.quantization.mode is not None:
-        raise EngineError(f"checkpoint {ckpt_dir} is quantized ({ckpt.quantization.mode}); quantized engines are "
-                          "not supported yet: convert without quantization")
+        raise EngineError(f"checkpoint {ckpt_dir} is quantized ({ckpt.quantization.mode}); engines are quantized at "
+                          "build from a float checkpoint: convert without quantization and pass --dtype "
+                          f"{ckpt.quantization.mode} to `engine build`")
+    quant = modes.resolve(quant or QuantConfig(), ckpt.model, build.tp_size)
+    accuracy = accuracy or AccuracyOptions()
     config = EngineConfig(
         model=ckpt.model, build=build, plugins=plugins,
         mapping=Mapping(world_size=build.tp_size, tp_size=build.tp_size, pp_size=1),
-        quantization=ckpt.quantization, generation=ckpt.generation, memory=memory_plan(ckpt.model, build),
-        precision=precision_of(ckpt, build), toolchain_version=toolchain_version(),
+        quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant),
+        precision=precision_of(ckpt, build, quant), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
     with atomic_output_dir(out_dir, force=force) as tmp:
-        jobs = [RankJob(Path(ckpt_dir), tmp, r, build, plugins) for r in range(build.tp_size)]
+        jobs = [RankJob(Path(ckpt_dir), tmp, r, build, plugins, quant, trt) for r in range(build.tp_size)]
         if workers > 1 and len(jobs) > 1:
             with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
                 for rank in pool.map(build_rank, jobs):
                     if progress:
-                        progress(engine_file(rank))
+                        progress(engine_file(rank, build.backend))
         else:
             for job in jobs:
                 build_rank(job)
                 if progress:
-                    progress(engine_file(job.rank))
+                    progress(engine_file(job.rank, build.backend))
         save_config(tmp, config)
+        if build.backend == "tensorrt":
+            save_stamp(tmp, trtb.device_stamp(build))
         copy_tokenizer_files(ckpt_dir, tmp)
+        if quant.mode is not None and accuracy.eval_tokens and build.backend == "onnxruntime":
+            report = _accuracy(Path(ckpt_dir), tmp, config, accuracy)
+            config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
+            save_config(tmp, config)
+            check_gate(report, accuracy, quant.mode)
     return config
+
+
+def _accuracy(ckpt_dir: Path, engine_dir: Path, config: EngineConfig, opts: AccuracyOptions) -> dict:
+    """Build the unquantized reference next to `engine_dir`, score both on held-out tokens, return the report."""
+    if config.mapping.world_size > 1:
+        if opts.max_ppl_increase is not None:
+            raise EngineError("--max-ppl-increase needs a tp 1 build: tensor-parallel engines cannot be scored here")
+        return {"skipped": "tensor-parallel engines cannot be scored on this machine"}
+    ref_dir = Path(tempfile.mkdtemp(prefix=".reference-", dir=engine_dir.parent))
+    try:
+        reference = dataclasses.replace(config, quantization=QuantConfig(),
+                                        memory=memory_plan(config.model, config.build),
+                                        precision={})
+        build_rank(RankJob(ckpt_dir, ref_dir, 0, config.build, config.plugins))
+        save_config(ref_dir, reference)
+        windows, source = held_out_windows(opts, ref_dir, ckpt_dir, config.generation.bos_token_id)
+        return accuracy_report(ref_dir, engine_dir, windows, source)
+    finally:
+        shutil.rmtree(ref_dir, ignore_errors=True)

@@ -1,7 +1,9 @@
 """The memory plan of an engine, computed from the model and build configs alone (so `--dry-run` reads no weights).
 
-    weights per rank      every initializer of the rank's graph at the compute dtype (float32 for now): the
-                          packed tensors and the rotary tables
+    weights per rank      every initializer of the rank's graph at its stored precision: float32 tensors, the
+                          rotary tables, and weight-only quantized projections as packed integers plus one
+                          float32 scale per group (a tied embedding quantized with lm_head is stored once,
+                          plus a second copy of its scales that the gather reads)
     KV per token          layers x (K + V) x kv_heads_per_rank x head_dim x kv dtype bytes
     activations (peak)    one step at max_num_tokens: the widest per-token tensors alive at once, plus the
                           attention scores and the gathered K/V of the largest step shape, plus the logits
@@ -11,10 +13,13 @@ not to be exact.
 """
 from __future__ import annotations
 
-from engine.core.config import ModelConfig
+import math
+
+from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, MemoryPlan
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
-from engine.core.tensors import rank_elements
+from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
+from engine.quantization.weight_only import BITS, stored_bytes
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -25,7 +30,37 @@ def rank_weight_elements(model: ModelConfig, tp: int, max_seq_len: int) -> int:
     return rank_elements(model, tp) + rope_tables * 2 * max_seq_len * (model.head_dim // 2)
 
 
-def memory_plan(model: ModelConfig, build: BuildConfig) -> MemoryPlan:
+# logical projections a weight-only mode quantizes (lm_head only with quantize_lm_head)
+QUANTIZED_PROJECTIONS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.up",
+                         "mlp.down")
+
+
+def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None) -> int:
+    """Bytes of one rank's initializers as stored (see the module docstring)."""
+    compute = DTYPE_BYTES["float32"]
+    if quant is None or quant.mode is None:
+        return rank_weight_elements(model, tp, max_seq_len) * compute
+    bits, group = BITS[quant.mode], quant.group_size
+    quantized = set(QUANTIZED_PROJECTIONS) | ({"lm_head"} if quant.quantize_lm_head else set())
+    shapes = logical_shapes(model)
+    tied = model.tie_word_embeddings
+    if tied and tp > 1:
+        shapes["lm_head.weight"] = shapes["vocab_embedding.weight"]
+    total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
+    for name, shape in shapes.items():
+        rows_cols = rank_shape(name, shape, model, tp)
+        _, stem, kind = split_name(name)
+        if tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight":
+            n, k = rows_cols
+            total += stored_bytes(n, k, bits, group) + n * (k // group) * compute  # + the gather's scales
+        elif kind == "weight" and stem in quantized:
+            total += stored_bytes(*rows_cols, bits, group)
+        else:
+            total += math.prod(rows_cols) * compute
+    return total
+
+
+def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | None = None) -> MemoryPlan:
     tp = build.tp_size
     compute = DTYPE_BYTES["float32"]  # ORT CPU computes in float32 whatever the checkpoint stores
     kv_bytes = DTYPE_BYTES[build.kv_cache_dtype]
@@ -42,7 +77,7 @@ def memory_plan(model: ModelConfig, build: BuildConfig) -> MemoryPlan:
     gathered_kv = 2 * min(build.max_batch_size, tokens) * build.max_seq_len * kv_size
     logits = min(build.max_batch_size, tokens) * padded_vocab_size(model, tp) // tp
     activation = compute * (tokens * widest + scores + gathered_kv + logits)
-    weights = rank_weight_elements(model, tp, build.max_seq_len) * compute
+    weights = rank_weight_bytes(model, tp, build.max_seq_len, quant)
     return MemoryPlan(weight_bytes_per_rank=(weights,) * tp, activation_bytes=activation,
                       kv_bytes_per_token=kv_per_token, kv_bytes_per_block=kv_per_token * build.tokens_per_block)
 

@@ -22,6 +22,12 @@ norm weights: RMSNorm by (offset + w)), embedding_multiplier, attention_scale, a
 sliding_window + layer_types (a second mask), local_rope (second rotary tables), rope, activation,
 tie_word_embeddings (lm_head reads vocab_embedding). Tensors are taken (popped) from `tensors` as they are
 placed into the graph, so the caller never holds a weight twice.
+
+Weight-only quantization (QuantConfig.mode int8_wo / int4_wo): every projection of the layers (qkv_proj, o_proj,
+gate_up / gate + up, down) is quantized at build (RTN, quantization/weight_only.py) and lowered by
+plugins/linear.py; the gated MLP is then composed here from those projections, since plugins/gated_mlp.py takes
+float weights. Embeddings and lm_head stay float32 unless quantize_lm_head; a tied embedding then shares the
+lm_head's packed table (GatherBlockQuantized + MatMulNBits over one initializer).
 """
 from __future__ import annotations
 
@@ -31,15 +37,16 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from engine.core import engine_config as ec
-from engine.core.config import ModelConfig
+from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 from engine.plugins.attention import paged_attention, write_kv
-from engine.plugins.gated_mlp import gated_mlp
-from engine.plugins.linear import linear
+from engine.plugins.gated_mlp import _activation, gated_mlp
+from engine.plugins.linear import linear, quantized_gather, quantized_linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
+from engine.quantization.weight_only import BITS, WeightOnlyScheme, quantize
 
 from .graph import MS_DOMAIN, Graph
 
@@ -48,8 +55,10 @@ Tensors = MutableMapping[str, np.ndarray]
 
 class _Builder:
     def __init__(self, model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
-                 tp: int):
-        self.m, self.t, self.b, self.p, self.tp = model, tensors, build, plugins, tp
+                 tp: int, quant: QuantConfig):
+        self.m, self.t, self.b, self.p, self.tp, self.q = model, tensors, build, plugins, tp, quant
+        self.scheme = (WeightOnlyScheme(BITS[quant.mode], quant.group_size, quant.accuracy_level)
+                       if quant.mode is not None else None)
         self.g = Graph()
         self.heads = model.num_heads // tp
         self.kv_heads = kv_heads_per_rank(model, tp)
@@ -63,6 +72,37 @@ class _Builder:
     def norm_weight(self, name: str) -> np.ndarray:
         w = self.take(name)
         return w + np.float32(self.m.norm_weight_offset) if self.m.norm_weight_offset else w
+
+    def proj(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None) -> str:
+        """A projection of the layers: float32 MatMul, or quantized with the build's scheme."""
+        return linear(self.g, x, self.take(weight_name), bias, name=name, weight_name=weight_name,
+                      scheme=self.scheme, plugin=self.p.weight_only_quant_matmul_plugin)
+
+    def mlp(self, x: str, w: str, name: str) -> str:
+        """Gated MLP; with quantized weights composed from quantized projections:
+
+            gemm_swiglu_plugin:  x ─proj gate_up─▶ Split ─▶ act(gate) * up ─▶ proj down
+            else:                x ─proj gate─▶ act ─┐ x ─proj up─▶ Mul ─▶ proj down
+        """
+        m, p, g = self.m, self.p, self.g
+        if self.scheme is None:
+            return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
+                             m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin)
+        op = g.scope(name)
+        plugin = p.weight_only_quant_matmul_plugin
+        if p.gemm_swiglu_plugin:
+            fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
+            gate, up = op("Split", [fused, g.const([m.intermediate_size // self.tp] * 2)], outputs=2, axis=-1)
+        else:
+            gate_up = self.take(w + "mlp.gate_up.weight")
+            half = gate_up.shape[0] // 2
+            gate = linear(g, x, gate_up[:half], None, name=f"{name}/gate_proj", weight_name=w + "mlp.gate.weight",
+                          scheme=self.scheme, plugin=plugin)
+            up = linear(g, x, gate_up[half:], None, name=f"{name}/up_proj", weight_name=w + "mlp.up.weight",
+                        scheme=self.scheme, plugin=plugin)
+            del gate_up
+        hidden = op("Mul", [_activation(g, op, gate, m.activation, p.gemm_swiglu_plugin), up])
+        return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
 
     def all_reduce(self, x: str, name: str) -> str:
         """Sum of the row-parallel partial results across ranks (com.microsoft AllReduce, NCCL builds)."""
@@ -126,8 +166,7 @@ class _Builder:
                                           name=f"{pre}/input_layernorm", weight_name=w + "attn_norm.weight",
                                           plugin=p.rmsnorm_plugin)
         bias = self.take(w + "attention.qkv.bias") if m.qkv_bias else None
-        qkv = linear(g, normed, self.take(w + "attention.qkv.weight"), bias, name=f"{pre}/attn/qkv_proj",
-                     weight_name=w + "attention.qkv.weight")
+        qkv = self.proj(normed, w + "attention.qkv.weight", f"{pre}/attn/qkv_proj", bias)
         q, k, v = g.node("Split", [qkv, g.const([q_size, kv_size, kv_size])], name=f"{pre}/attn/qkv_split/Split",
                          outputs=3, axis=-1)
         if m.qk_norm:
@@ -153,8 +192,7 @@ class _Builder:
             num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd,
             scale=m.attention_scale if m.attention_scale is not None else hd ** -0.5,
             softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin)
-        out = linear(g, attn, self.take(w + "attention.dense.weight"), None, name=f"{pre}/attn/o_proj",
-                     weight_name=w + "attention.dense.weight")
+        out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:
             out = rms_norm(g, out, self.norm_weight(w + "attn_post_norm.weight"), m.norm_eps,
@@ -163,8 +201,7 @@ class _Builder:
         normed, hidden = add_rms_norm(g, out, hidden, self.norm_weight(w + "mlp_norm.weight"), m.norm_eps,
                                       name=f"{pre}/pre_feedforward_layernorm", weight_name=w + "mlp_norm.weight",
                                       plugin=p.rmsnorm_plugin)
-        mlp = gated_mlp(g, normed, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
-                        m.activation, name=f"{pre}/mlp", weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin)
+        mlp = self.mlp(normed, w, f"{pre}/mlp")
         mlp = self.all_reduce(mlp, f"{pre}/mlp/down_proj")
         if m.sandwich_norms:
             mlp = rms_norm(g, mlp, self.norm_weight(w + "mlp_post_norm.weight"), m.norm_eps,
@@ -175,9 +212,17 @@ class _Builder:
     def build(self) -> Graph:
         m, g = self.m, self.g
         self.inputs()
+        tied = m.tie_word_embeddings and self.tp == 1 and "lm_head.weight" not in self.t
         embedding = self.take("vocab_embedding.weight")
-        hidden = g.node("Gather", [g.weight("vocab_embedding.weight", embedding), ec.INPUT_IDS],
-                        name="/model/embed_tokens/Gather", axis=0)
+        shared_table = None
+        if tied and self.q.quantize_lm_head and self.scheme is not None:
+            shared_table = quantize(embedding, self.scheme, name="vocab_embedding.weight")
+            hidden = quantized_gather(g, shared_table, ec.INPUT_IDS, name="/model/embed_tokens",
+                                      weight_name="vocab_embedding.weight",
+                                      plugin=self.p.weight_only_quant_matmul_plugin)
+        else:
+            hidden = g.node("Gather", [g.weight("vocab_embedding.weight", embedding), ec.INPUT_IDS],
+                            name="/model/embed_tokens/Gather", axis=0)
         if m.embedding_multiplier != 1.0:
             # Gemma multiplies by sqrt(hidden_size) rounded to the compute dtype, as transformers does.
             hidden = g.node("Mul", [hidden, g.const(m.embedding_multiplier, np.float32)],
@@ -192,12 +237,18 @@ class _Builder:
         normed, _ = add_rms_norm(g, last, rows, self.norm_weight("final_norm.weight"), m.norm_eps,
                                  name="/model/norm", weight_name="final_norm.weight", plugin=self.p.rmsnorm_plugin)
         del embedding
-        if m.tie_word_embeddings and self.tp == 1 and "lm_head.weight" not in self.t:
+        lm_scheme = self.scheme if self.q.quantize_lm_head else None
+        if shared_table is not None:
+            logits = quantized_linear(g, normed, shared_table, None, name="/lm_head",
+                                      weight_name="vocab_embedding.weight", accuracy_level=self.scheme.accuracy_level,
+                                      plugin=self.p.weight_only_quant_matmul_plugin, shared=True)
+        elif tied:
             # Gemm reads the embedding [V, H] transposed in place: the tied weight is stored once, not twice.
             logits = g.node("Gemm", [normed, "vocab_embedding.weight"], name="/lm_head/Gemm", transB=1)
         else:
             logits = linear(g, normed, self.take("lm_head.weight"), None, name="/lm_head",
-                            weight_name="lm_head.weight")
+                            weight_name="lm_head.weight", scheme=lm_scheme,
+                            plugin=self.p.weight_only_quant_matmul_plugin)
         if m.final_logit_softcap:
             cap = g.const(m.final_logit_softcap, np.float32)
             logits = g.node("Mul", [g.node("Tanh", [g.node("Div", [logits, cap], name="/lm_head/softcap/Div")],
@@ -210,6 +261,7 @@ class _Builder:
 
 
 def build_graph(model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
-                tp: int) -> Graph:
-    """The graph of one rank; consumes `tensors` (packed canonical names -> arrays of that rank)."""
-    return _Builder(model, tensors, build, plugins, tp).build()
+                tp: int, quant: QuantConfig | None = None) -> Graph:
+    """The graph of one rank; consumes `tensors` (packed canonical names -> arrays of that rank). `quant` must be
+    resolved (quantization.modes.resolve) when it has a mode."""
+    return _Builder(model, tensors, build, plugins, tp, quant or QuantConfig()).build()

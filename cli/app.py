@@ -17,7 +17,9 @@ from rich.markup import escape
 from engine.core.errors import EngineError
 
 from . import build, convert, inspect
+from . import eval as eval_
 from . import run
+from . import serve
 
 # typer >= 0.29 vendors click (its ClickException derives from typer.TyperException); older typer uses click's.
 _CLICK_ERRORS = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
@@ -58,6 +60,8 @@ app.command("convert", no_args_is_help=True)(convert.convert_command)
 app.command("build", no_args_is_help=True)(build.build_command)
 app.command("inspect", no_args_is_help=True)(inspect.inspect_command)
 app.command("run", no_args_is_help=True)(run.run_command)
+app.command("eval", no_args_is_help=True)(eval_.eval_command)
+app.command("serve", no_args_is_help=True)(serve.serve_command)
 
 
 def main(argv: list[str] | None = None) -> None:

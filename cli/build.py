@@ -37,9 +37,35 @@ def build_command(
     kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32 (quantized "
                                        "KV caches are not supported yet)."),
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32; float16/bfloat16 are accepted and "
-                              "computed in float32 on ONNX Runtime CPU (see `engine inspect`)."),
-    backend: str = typer.Option("auto", "--backend", help="auto (= onnxruntime), onnxruntime, or tensorrt (needs "
-                                "the `tensorrt` extra and an NVIDIA GPU)."),
+                              "computed in float32 on ONNX Runtime CPU (see `engine inspect`). Quantized modes "
+                              "(TensorRT-LLM names): int8_wo, int4_wo (weight-only RTN, quantized at build); "
+                              "int4_awq, int8_sq, fp8 are not implemented yet."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Weight-only: input features sharing one "
+                                             "scale (16, 32, 64, 128, 256; must divide every quantized weight's in "
+                                             "features).", show_default="int4_wo 32; int8_wo the largest that fits"),
+    quantize_lm_head: bool = typer.Option(False, "--quantize-lm-head", help="Also quantize lm_head (and a tied "
+                                          "embedding, which shares its table); by default both stay float32."),
+    quant_accuracy_level: Optional[int] = typer.Option(None, "--quant-accuracy-level", help="MatMulNBits "
+                                                       "accuracy_level: 0 float32 compute (true weight-only), 4 int8 "
+                                                       "activations per block (fast).", show_default="4"),
+    eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Quantized builds: held-out text file for "
+                                             "the accuracy report.", show_default="text sampled from the unquantized "
+                                             "model itself (seeded)"),
+    eval_tokens: int = typer.Option(2048, "--eval-tokens", help="Quantized builds: held-out tokens scored for the "
+                                    "accuracy report (0: no report)."),
+    max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Quantized builds: fail when "
+                                                     "perplexity rises more than PCT percent over the unquantized "
+                                                     "reference."),
+    backend: str = typer.Option("auto", "--backend", help="auto (tensorrt where the `tensorrt` package imports and a "
+                                "CUDA GPU is visible, else onnxruntime), onnxruntime, or tensorrt (needs the "
+                                "`tensorrt` extra and an NVIDIA GPU)."),
+    workspace_size: Optional[str] = typer.Option(None, "--workspace-size", help="TensorRT: workspace memory-pool "
+                                                 "limit (bytes, or with KiB/MiB/GiB, e.g. 4GiB).",
+                                                 show_default="TensorRT's: all device memory"),
+    input_timing_cache: Optional[Path] = typer.Option(None, "--input-timing-cache", help="TensorRT: timing cache "
+                                                      "to start from (one written by --output-timing-cache)."),
+    output_timing_cache: Optional[Path] = typer.Option(None, "--output-timing-cache", help="TensorRT: write the "
+                                                       "timing cache here after the build."),
     gpt_attention_plugin: str = typer.Option("enable", "--gpt-attention-plugin", help=f"{SWITCH}: opset-23 "
                                              "Attention kernel, or the reference lowering in MatMul/Softmax."),
     rmsnorm_plugin: str = typer.Option("enable", "--rmsnorm-plugin", help=f"{SWITCH}: fused RMSNorm kernels, "
@@ -48,6 +74,9 @@ def build_command(
                                       "or the reference lowering."),
     gemm_swiglu_plugin: str = typer.Option("enable", "--gemm-swiglu-plugin", help=f"{SWITCH}: one gate+up MatMul, "
                                            "or two."),
+    weight_only_quant_matmul_plugin: str = typer.Option("enable", "--weight-only-quant-matmul-plugin",
+                                                        help=f"{SWITCH}: quantized weights as MatMulNBits, or "
+                                                        "the DequantizeLinear + MatMul reference."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size: engines rank0..rank{tp-1}; "
                                      "a checkpoint of another tp is resharded.", show_default="the checkpoint's"),
     workers: int = typer.Option(1, "--workers", help="Ranks built in parallel (processes)."),
@@ -61,7 +90,10 @@ def build_command(
     from engine.builder.build import build_engine, check_build_config, resolve_backend
     from engine.builder.memory import memory_plan, plan_rows
     from engine.core.artifacts import load_checkpoint_config
+    from engine.core.config import QuantConfig
     from engine.core.engine_config import BuildConfig, PluginConfig
+    from engine.quantization import modes
+    from engine.quantization.accuracy import AccuracyOptions
 
     if workers < 1:
         raise EngineError(f"--workers {workers} must be at least 1", usage=True)
@@ -69,31 +101,58 @@ def build_command(
         gpt_attention_plugin=_switch("--gpt-attention-plugin", gpt_attention_plugin),
         rmsnorm_plugin=_switch("--rmsnorm-plugin", rmsnorm_plugin),
         rotary_plugin=_switch("--rotary-plugin", rotary_plugin),
-        gemm_swiglu_plugin=_switch("--gemm-swiglu-plugin", gemm_swiglu_plugin))
+        gemm_swiglu_plugin=_switch("--gemm-swiglu-plugin", gemm_swiglu_plugin),
+        weight_only_quant_matmul_plugin=_switch("--weight-only-quant-matmul-plugin",
+                                                weight_only_quant_matmul_plugin))
+    compute_dtype, mode = modes.split_dtype(dtype)
+    if mode is None and (group_size is not None or quantize_lm_head or quant_accuracy_level is not None
+                         or max_ppl_increase is not None or eval_data is not None):
+        raise EngineError(f"--group-size, --quantize-lm-head, --quant-accuracy-level, --eval-data and "
+                          f"--max-ppl-increase apply to quantized builds; --dtype {dtype} is not one: pass "
+                          f"--dtype {' or '.join(modes.WEIGHT_ONLY)}", usage=True)
+    if eval_data is not None and not eval_data.is_file():
+        raise EngineError(f"--eval-data {eval_data} is not a file; pass a UTF-8 text file", usage=True)
+    accuracy = AccuracyOptions(eval_data=eval_data, max_ppl_increase=max_ppl_increase, eval_tokens=eval_tokens)
     backend = resolve_backend(backend)
+    from engine.builder.tensorrt_backend import TensorRTOptions, check_options, parse_size
+    trt = TensorRTOptions(workspace_size=parse_size(workspace_size) if workspace_size is not None else None,
+                          input_timing_cache=input_timing_cache, output_timing_cache=output_timing_cache)
+    if backend != "tensorrt" and trt != TensorRTOptions():
+        raise EngineError(f"--workspace-size, --input-timing-cache and --output-timing-cache apply to TensorRT "
+                          f"builds; this build's backend is {backend}: pass --backend tensorrt or leave them out",
+                          usage=True)
+    check_options(trt)
     ckpt = load_checkpoint_config(checkpoint_dir)
     seq = max_seq_len if max_seq_len is not None else ckpt.model.max_position_embeddings
     build = BuildConfig(
         max_batch_size=max_batch_size, max_input_len=max_input_len if max_input_len is not None else min(1024, seq),
         max_seq_len=seq, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-        kv_cache_dtype=kv_cache_dtype, dtype=dtype, backend=backend,
+        kv_cache_dtype=kv_cache_dtype, dtype=compute_dtype, backend=backend,
         tp_size=tp if tp is not None else ckpt.mapping.tp_size, opt_level=opt_level)
     check_build_config(ckpt.model, build)
+    quant = modes.resolve(QuantConfig(mode=mode, group_size=group_size, quantize_lm_head=quantize_lm_head,
+                                      accuracy_level=quant_accuracy_level), ckpt.model, build.tp_size)
     console = Console()
     if dry_run:
         table = Table(title=f"memory plan of {ckpt.model.architecture}, tp {build.tp_size} (dry run: nothing built)")
         table.add_column("item")
         table.add_column("size", justify="right")
-        for item, size in plan_rows(memory_plan(ckpt.model, build), build):
+        for item, size in plan_rows(memory_plan(ckpt.model, build, quant), build):
             table.add_row(item, size)
         console.print(table)
         return
     with progress_bar("building", total=build.tp_size) as step:
         config = build_engine(checkpoint_dir, output_dir, build, plugins, force=force, workers=workers,
-                              progress=step)
+                              progress=step, quant=quant, accuracy=accuracy, trt=trt)
     note = config.precision.get("note")
     if note:
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note:[/] {escape(note)}")
+    report = config.quantization.accuracy
+    if "quantized_ppl" in report:
+        Console(highlight=False, soft_wrap=True).print(
+            f"accuracy ({config.quantization.mode}): perplexity {report['reference_ppl']:.3f} -> "
+            f"{report['quantized_ppl']:.3f} ({report['ppl_increase_pct']:+.2f}%) on {report['tokens']} tokens, "
+            f"{escape(report['data'])}")
     m = config.model
     Console(highlight=False, soft_wrap=True).print(f"[green]built[/] {m.architecture} engine ({build.backend} {config.backend_version}, tp "
                   f"{build.tp_size}, max_seq_len {build.max_seq_len}, max_batch_size {build.max_batch_size}) in "

@@ -1,4 +1,5 @@
-"""`engine inspect`: what an engine directory holds — configs, versions, memory plan, precision, op counts."""
+"""`engine inspect`: what an engine directory holds — configs, versions, memory plan, precision, quantization and
+accuracy report, op counts (MatMulNBits / GatherBlockQuantized show that quantized kernels are in the graph)."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,6 +59,12 @@ def inspect_command(
         ("installed", f"engine {toolchain_version()}, {b} {backend_version(b) or '(not installed)'}"),
         ("runs here", loadable)]))
     console.print(_table("precision", config.precision.items()))
+    q = config.quantization
+    if q.mode is not None:
+        rows = [("mode", q.mode), ("group size", q.group_size), ("lm_head quantized", q.quantize_lm_head),
+                ("MatMulNBits accuracy_level", q.accuracy_level)]
+        rows += [(f"accuracy: {k}", v) for k, v in q.accuracy.items()] or [("accuracy", "(not measured)")]
+        console.print(_table("quantization", rows))
     console.print(_table("memory plan", plan_rows(config.memory, config.build)))
     for rank in range(config.mapping.world_size):
         onnx_path = Path(engine_dir) / engine_file(rank)

@@ -4,6 +4,9 @@ All prompts run together under continuous batching. Generated text goes to stdou
 summary table (prompt / generated tokens, time to first token, decode tokens per second) go to stderr, so
 stdout can be piped.
 
+Scheduling: continuous batching under a per-step token budget (--max-num-tokens) with chunked prefill; prefix
+caching on by default (--no-prefix-caching); --scheduling-policy priority with --priority per prompt.
+
 --streaming prints text as it is produced, whole UTF-8 characters only. With several prompts (which decode in
 lockstep, so token-by-token interleaving would be unreadable) each prompt's text is streamed line by line: a line
 is printed as "[i] line" as soon as prompt i completes it, and its last line when it finishes.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -64,6 +68,20 @@ def run_command(
                                                 "overrides --kv-cache-mem-fraction (default: none)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads of the engine (default: "
                                           "onnxruntime's, all physical cores)."),
+    kv_cache_memory_bytes: Optional[str] = typer.Option(None, "--kv-cache-memory-bytes", help="KV cache size in "
+                                                        "bytes, e.g. 536870912, 512MiB or 2GB; overrides "
+                                                        "--kv-cache-mem-fraction (default: none)."),
+    max_num_tokens: Optional[int] = typer.Option(None, "--max-num-tokens", help="Token budget of one engine step "
+                                                 "(prefill chunks + decodes) (default: the engine's build limit)."),
+    max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size", help="Sequences per engine step "
+                                                 "(default: the engine's build limit)."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV cache "
+                                        "of prompt prefixes shared between requests (default: on)."),
+    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help="fcfs (arrival order) or priority "
+                                          "(lower --priority first, ties by arrival) (default: fcfs)."),
+    priority: Optional[list[int]] = typer.Option(None, "--priority", help="Priority of the prompts, lower runs "
+                                                 "first: once for all prompts or once per prompt, in order; needs "
+                                                 "--scheduling-policy priority (default: 0)."),
 ):
     """Generate from prompts with an engine: several prompts run together, with a summary of speeds."""
     from engine.runtime import LLM, SamplingParams
@@ -73,6 +91,15 @@ def run_command(
         raise EngineError(f"--max-output-len {max_output_len} must be >= 1", usage=True)
     if threads is not None and threads < 1:
         raise EngineError(f"--threads {threads} must be >= 1", usage=True)
+    priorities = list(priority or [0])
+    if len(priorities) == 1:
+        priorities *= len(prompts)
+    if len(priorities) != len(prompts):
+        raise EngineError(f"{len(priorities)} --priority values for {len(prompts)} prompts; give one for all, or "
+                          "one per prompt", usage=True)
+    if any(priorities) and scheduling_policy != "priority":
+        raise EngineError(f"--priority {next(p for p in priorities if p)} needs --scheduling-policy priority "
+                          f"(under {scheduling_policy} every request runs in arrival order)", usage=True)
     params = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
@@ -81,13 +108,15 @@ def run_command(
     err = Console(stderr=True, highlight=False)
     _log_warnings_to(err)
     llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
-              threads=threads)
+              threads=threads, kv_cache_memory_bytes=_parse_bytes(kv_cache_memory_bytes),
+              enable_prefix_caching=prefix_caching, scheduling_policy=scheduling_policy,
+              max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
     inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if chat and isinstance(p, str) else p
               for p in prompts]
     start = time.monotonic()
     outputs = {}
     printer = _StreamPrinter(tagged=len(prompts) > 1) if streaming else None
-    for out in llm.stream(inputs, params, request_ids=(order := [])):
+    for out in llm.stream(inputs, params, request_ids=(order := []), priority=priorities):
         if out.finished:
             outputs[out.request_id] = out
         if printer is not None:
@@ -99,7 +128,7 @@ def run_command(
             print(f"Input [Text {i}]: {json.dumps(p, ensure_ascii=False)}")
             print(f"Output [Text {i}]: {json.dumps(out.text, ensure_ascii=False)}")
     sys.stdout.flush()
-    err.print(_summary(results, wall, llm.kv_plan))
+    err.print(_summary(results, wall, llm.kv_plan, llm.stats()))
     if output_json is not None:
         _write_json(output_json, prompts, results)
 
@@ -156,6 +185,21 @@ def _read_prompts(input_text: list[str] | None, input_file: Path | None) -> list
     return prompts
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def _parse_bytes(text: str | None) -> int | None:
+    """'536870912', '512MiB', '2GB', '1.5GiB' -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise EngineError(f"--kv-cache-memory-bytes {text!r} is not a size; give bytes, or a number with B, KB, MB, "
+                          "GB, KiB, MiB or GiB (e.g. 512MiB)", usage=True)
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 def _log_warnings_to(console: Console) -> None:
     class _Handler(logging.Handler):
         def emit(self, record):
@@ -165,9 +209,11 @@ def _log_warnings_to(console: Console) -> None:
     logger.propagate = False
 
 
-def _summary(results, wall: float, kv) -> Table:
+def _summary(results, wall: float, kv, stats) -> Table:
     title = (f"{len(results)} prompt(s) in {wall:.2f} s; KV cache {kv.num_tokens} tokens ({kv.num_blocks} blocks "
-             f"of {kv.tokens_per_block}, {kv.num_bytes / (1 << 20):.1f} MiB)")
+             f"of {kv.tokens_per_block}, {kv.num_bytes / (1 << 20):.1f} MiB); prefix cache hits "
+             f"{stats.prefix_cache_hits} of {stats.prefix_cache_queries} prompt tokens; "
+             f"{stats.preemptions} preemption(s)")
     table = Table(title=title, title_justify="left",
                   caption="TTFT: time to first token (queueing + prefill); decode tok/s: tokens after the first, "
                           "per second", caption_justify="left")

@@ -93,9 +93,17 @@ class Mapping:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Quantization of the weights, activations and KV cache; `None` modes mean unquantized."""
+    """Quantization of the weights, activations and KV cache; `None` modes mean unquantized.
+
+    Weight-only modes (quantization/modes.py): `group_size` input features share one scale; `quantize_lm_head`
+    also quantizes lm_head (and, when tied, the embedding table that shares it); `accuracy_level` is ORT
+    MatMulNBits' compute mode; `accuracy` is the build's perplexity report (quantization/accuracy.py)."""
     mode: str | None = None
     kv_cache_dtype: str | None = None
+    group_size: int | None = None
+    quantize_lm_head: bool = False
+    accuracy_level: int | None = None
+    accuracy: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,8 @@ def vcache_out_name(layer: int) -> str:
     return f"vcache_out.{layer}"
 
 
-def engine_file(rank: int) -> str:
-    return f"rank{rank}.onnx"
+def engine_file(rank: int, backend: str = "onnxruntime") -> str:
+    return f"rank{rank}.engine" if backend == "tensorrt" else f"rank{rank}.onnx"
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class PluginConfig:
     rmsnorm_plugin: bool = True         # opset-23 RMSNormalization (ORT's fused Skip variant measured slower)
     rotary_plugin: bool = True          # opset-23 RotaryEmbedding
     gemm_swiglu_plugin: bool = True     # gated MLP as one gate+up MatMul
+    weight_only_quant_matmul_plugin: bool = True  # quantized weights: MatMulNBits, or DequantizeLinear + MatMul
 
 
 @dataclass(frozen=True)

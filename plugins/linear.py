@@ -1,17 +1,32 @@
-"""Dense projection: x [T, in] @ W^T (+ bias) -> [T, out].
+"""Dense projection: x [T, in] @ W^T (+ bias) -> [T, out], in float32 or with weight-only quantized weights.
 
 Weights arrive in torch Linear layout [out_features, in_features]; they are transposed once here, at build time,
 so the graph holds MatMul-ready [in, out] initializers and no Transpose node. Knows nothing of which projection
 it builds; the caller names the initializers by their canonical tensor names.
 
     x [T, in] ──MatMul(W^T [in, out])──▶ [T, out] ──Add(bias [out])──▶ y     (Add only with a bias)
+
+Quantized (`scheme` given; quantization/weight_only.py quantizes, scales stored next to their weight as
+"{stem}.weights_scaling_factor", TensorRT-LLM's name):
+
+    plugin=True:   x ──com.microsoft MatMulNBits(packed [N, K/g, g*bits/8] uint8, scales [N, K/g])──▶ (+bias) y
+    plugin=False:  DequantizeLinear(q [K, N] int4|int8, scales [K/g, N], axis=0, block_size=g) ──▶ W^T
+                   x ──MatMul(W^T)──▶ (+bias) y          (the opset-21 blocked reference, dequantized per call)
+
+ORT's level-2 optimizer fuses that DequantizeLinear + MatMul back into MatMulNBits (at its session default
+accuracy level 4), so the reference stays a reference only in a graph run unoptimized (tests do that).
+
+`quantized_gather` reads rows of the same packed table (ORT GatherBlockQuantized), so a tied embedding and
+a quantized lm_head share one initializer.
 """
 from __future__ import annotations
 
 import numpy as np
+import ml_dtypes
 
-from engine.builder.graph import Graph
+from engine.builder.graph import MS_DOMAIN, Graph
 from engine.core.errors import EngineError
+from engine.quantization.weight_only import QuantizedWeight, WeightOnlyScheme, quantize, signed_values
 
 
 def bias_name_for(weight_name: str) -> str:
@@ -20,19 +35,82 @@ def bias_name_for(weight_name: str) -> str:
     return f"{stem}.bias"
 
 
+def scale_name_for(weight_name: str) -> str:
+    """Canonical name of a quantized weight's scales: "...qkv.weight" -> "...qkv.weights_scaling_factor"."""
+    stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    return f"{stem}.weights_scaling_factor"
+
+
 def linear(g: Graph, x: str, weight: np.ndarray, bias: np.ndarray | None, *, name: str, weight_name: str,
-           bias_name: str | None = None) -> str:
+           bias_name: str | None = None, scheme: WeightOnlyScheme | None = None, plugin: bool = True) -> str:
     """MatMul with the transposed `weight` as initializer `weight_name`; plus Add of `bias` as initializer
-    `bias_name` (default: `weight_name` with ".weight" replaced by ".bias")."""
+    `bias_name` (default: `weight_name` with ".weight" replaced by ".bias"). With `scheme`, the weight is
+    quantized and lowered as the module docstring draws (`plugin` picks MatMulNBits or the reference)."""
     if weight.ndim != 2:
         raise EngineError(f"{weight_name} has shape {tuple(weight.shape)}; a linear weight must be 2-D "
                           "[out_features, in_features]: re-run `engine convert`")
-    op = g.scope(name)
-    y = op("MatMul", [x, g.weight(weight_name, np.asarray(weight, dtype=np.float32).T)])
-    if bias is None:
-        return y
-    if bias.shape != (weight.shape[0],):
+    if bias is not None and bias.shape != (weight.shape[0],):
         raise EngineError(f"bias of {weight_name} has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) "
                           "to match the weight's out_features: re-run `engine convert`")
-    b = g.weight(bias_name or bias_name_for(weight_name), np.asarray(bias, dtype=np.float32))
-    return op("Add", [y, b])
+    if scheme is not None:
+        q = quantize(np.asarray(weight, dtype=np.float32), scheme, name=weight_name)
+        return quantized_linear(g, x, q, bias, name=name, weight_name=weight_name, bias_name=bias_name,
+                                accuracy_level=scheme.accuracy_level, plugin=plugin)
+    op = g.scope(name)
+    y = op("MatMul", [x, g.weight(weight_name, np.asarray(weight, dtype=np.float32).T)])
+    return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
+
+
+def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | None, *, name: str,
+                     weight_name: str, bias_name: str | None = None, accuracy_level: int = 0,
+                     plugin: bool = True, shared: bool = False) -> str:
+    """x @ dequantize(q)^T (+ bias). `shared`: the packed table and scales are already initializers of `g`
+    (placed by quantized_gather), so they are referenced, not added again."""
+    n, k = q.shape
+    op = g.scope(name)
+    scales = scale_name_for(weight_name)
+    if plugin:
+        if not shared:
+            g.weight(weight_name, q.packed)
+            g.weight(scales, q.scales)
+        y = op("MatMulNBits", [x, weight_name, scales], domain=MS_DOMAIN, K=k, N=n, bits=q.bits,
+               block_size=q.group_size, accuracy_level=accuracy_level)
+    else:
+        w_t = _dequantize_node(g, op, q, weight_name, scales, shared)
+        y = op("MatMul", [x, w_t])
+    return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
+
+
+def quantized_gather(g: Graph, table: QuantizedWeight, indices: str, *, name: str, weight_name: str,
+                     plugin: bool = True) -> str:
+    """Rows `indices` of the dequantized [V, H] `table` -> [T, H]; places the table's initializers, which a
+    following quantized_linear(..., shared=True) of the same `weight_name` reuses (tied lm_head)."""
+    v, h = table.shape
+    op = g.scope(name)
+    scales = scale_name_for(weight_name)
+    if plugin:
+        g.weight(weight_name, table.packed)
+        g.weight(scales, table.scales)
+        # GatherBlockQuantized blocks along the quantize axis of the data as stored: the last axis of the 3-D
+        # packed table, so its scales need a trailing unit axis; the result [T, K/g, g] is reshaped to [T, H].
+        scales_3d = g.weight(f"{scales}.gather", table.scales[:, :, None])
+        rows = op("GatherBlockQuantized", [weight_name, indices, scales_3d], domain=MS_DOMAIN, gather_axis=0,
+                  quantize_axis=2, block_size=table.group_size, bits=table.bits)
+        return op("Reshape", [rows, g.const([-1, h])])
+    w_t = _dequantize_node(g, op, table, weight_name, scales, False)
+    return op("Gather", [op("Transpose", [w_t], perm=[1, 0]), indices], axis=0)
+
+
+def _dequantize_node(g: Graph, op, q: QuantizedWeight, weight_name: str, scales: str, shared: bool) -> str:
+    """Reference: DequantizeLinear of the signed [K, N] integers, blocked along K -> float W^T [K, N]."""
+    if not shared:
+        values = signed_values(q).T
+        g.weight(weight_name, values.astype(ml_dtypes.int4) if q.bits == 4 else values)
+        g.weight(scales, np.ascontiguousarray(q.scales.T))
+    return op("DequantizeLinear", [weight_name, scales], axis=0, block_size=q.group_size)
+
+
+def _add_bias(g: Graph, op, y: str, bias: np.ndarray | None, bias_name: str) -> str:
+    if bias is None:
+        return y
+    return op("Add", [y, g.weight(bias_name, np.asarray(bias, dtype=np.float32))])

@@ -1,3 +1,6 @@
-"""Post-training quantization: schemes (weight-only RTN, and later calibrated AWQ, SmoothQuant, FP8, KV cache),
-their scales and reference dequantization. Knows canonical tensor names, not Hugging Face ones.
+"""Post-training quantization: the modes `engine build --dtype` accepts, their schemes and scales.
+
+Weight-only RTN (int8_wo, int4_wo) is implemented (weight_only.py); the calibrated ModelOpt modes are named in
+modes.py and refused until they are. Lowerings to graph ops live in plugins/linear.py. Knows canonical tensor
+names, not Hugging Face ones.
 """

@@ -7,8 +7,8 @@ continuous-batching scheduler) and the Python API.
 It reads only an engine directory; it never imports recipes/, builder/, transformers or torch.
 """
 from .llm import LLM
-from .outputs import RequestMetrics, RequestOutput
+from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .sampling_params import Logprob, SamplingParams
 from .tokenizer import Tokenizer
 
-__all__ = ["LLM", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "Tokenizer"]
+__all__ = ["EngineStats", "LLM", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "Tokenizer"]

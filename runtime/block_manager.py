@@ -1,17 +1,33 @@
-"""The KV block pool: which block ids are free, who holds which, and reference counts.
+"""The KV block pool: which block ids are free, who holds which, reference counts, and the prefix cache.
 
-It knows block ids and token counts, not what the blocks hold (the session owns the arrays) nor how requests are
-scheduled. The scheduler talks to it through `allocate_slots` -> `NewBlocks | None` and `free`, vLLM v1's
-KVCacheManager interface, so prefix caching (shared full blocks, hence the reference counts) can grow here
-without touching the scheduler.
+It knows block ids and token ids, not what the blocks hold (the session owns the arrays) nor how requests are
+scheduled. The scheduler talks to it through small result types, vLLM v1's KVCacheManager interface:
+`find_prefix(token_ids) -> PrefixHit`, `allocate_slots(...) -> NewBlocks | None` and `free`; it never sees a block
+table (the engine core reads `block_table` to build the step's inputs).
 
     request "a": block table [4, 0, 7]   covers positions [0, 3 * tokens_per_block)
     slot of position p = block_table[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
+
+Prefix caching: a full block is named by a chained hash of its tokens and of every token before it,
+
+    hash(block i) = sha256(hash(block i-1) + token ids of block i)        (hash(block -1) = b"")
+
+so equal hashes mean equal K/V (a token's K/V depend only on it and the tokens before it). A block is hashed
+when an allocation covers it fully (its K/V are written by the step that follows, before any later step reads
+them; a hit in the same step reads them after the step's in-graph write, see plugins/attention.py). Full blocks
+are shared by reference count; a block whose count drops to 0 keeps its hash and waits in an LRU of
+free-but-cached blocks, from which a later hit revives it. Allocation takes never-cached free blocks first and
+evicts the least recently freed cached block only when none is left. Blocks are only ever written by the
+request that took them fresh: a hit covers whole blocks and stops at least one token short of the prompt.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -20,46 +36,87 @@ class NewBlocks:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """Full blocks of a request's leading tokens already in the pool; give it back to allocate_slots."""
+    block_ids: tuple[int, ...] = ()
+    block_hashes: tuple[bytes, ...] = ()
+    num_tokens: int = 0            # tokens covered: len(block_ids) * tokens_per_block
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
+
+
 class BlockPool:
-    """num_blocks blocks with reference counts; a block returns to the free queue when its count drops to 0."""
+    """num_blocks blocks with reference counts; a block returns to the free lists when its count drops to 0."""
 
     def __init__(self, num_blocks: int):
         assert num_blocks > 0, num_blocks
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))          # free, holding nothing reusable
+        self._cached_free: OrderedDict[int, None] = OrderedDict()   # free but cached; least recently freed first
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
 
     def take(self, n: int) -> list[int]:
-        assert n <= len(self._free), (n, len(self._free))
-        ids = [self._free.popleft() for _ in range(n)]
-        for b in ids:
+        assert n <= self.num_free, (n, self.num_free)
+        ids = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:   # evict the least recently freed cached block
+                b, _ = self._cached_free.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(b)]
             assert self.ref_counts[b] == 0, b
             self.ref_counts[b] = 1
+            ids.append(b)
         return ids
+
+    def lookup(self, h: bytes) -> int | None:
+        return self._by_hash.get(h)
+
+    def cache(self, block: int, h: bytes) -> None:
+        """Name a held block by its hash, unless another block already holds the same tokens."""
+        assert self.ref_counts[block] > 0, f"block {block} is free"
+        if h not in self._by_hash and block not in self._hash_of:
+            self._by_hash[h] = block
+            self._hash_of[block] = h
 
     def incref(self, ids) -> None:
         for b in ids:
-            assert self.ref_counts[b] > 0, f"block {b} is free"
+            if self.ref_counts[b] == 0:      # a prefix hit revives a free cached block
+                del self._cached_free[b]
             self.ref_counts[b] += 1
 
     def decref(self, ids) -> None:
-        # Freed in reverse so a request's tail blocks are reused last (the head is what a prefix cache would hit).
+        # Freed in reverse so a request's tail blocks are evicted first: the head is what later requests share.
         for b in reversed(list(ids)):
             assert self.ref_counts[b] > 0, f"block {b} freed twice"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._cached_free[b] = None
+                else:
+                    self._free.append(b)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, tokens_per_block: int):
+    def __init__(self, num_blocks: int, tokens_per_block: int, *, enable_prefix_caching: bool = True):
         self.tokens_per_block = tokens_per_block
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}      # chained hashes of each request's full blocks so far
 
     @property
     def num_blocks(self) -> int:
@@ -69,26 +126,71 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> NewBlocks | None:
+    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """The longest run of leading full blocks of `token_ids` in the cache, leaving at least the last token
+        to compute (its logits are what the step is for)."""
+        if not self.enable_prefix_caching:
+            return PrefixHit()
+        tpb = self.tokens_per_block
+        ids, hashes, parent = [], [], b""
+        for i in range((len(token_ids) - 1) // tpb):
+            h = block_hash(parent, token_ids[i * tpb:(i + 1) * tpb])
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            ids.append(b)
+            hashes.append(h)
+            parent = h
+        return PrefixHit(tuple(ids), tuple(hashes), len(ids) * tpb)
+
+    def num_blocks_needed(self, num_tokens: int, prefix: PrefixHit = PrefixHit()) -> int:
+        """Free blocks a request not yet holding any would take to cover `num_tokens` starting from `prefix`."""
+        return self._new_blocks_needed(num_tokens, 0, prefix)
+
+    def _new_blocks_needed(self, num_tokens: int, held: int, prefix: PrefixHit) -> int:
+        revived = sum(1 for b in prefix.block_ids if self.pool.ref_counts[b] == 0)
+        return max(self.blocks_for(num_tokens) - held - len(prefix.block_ids), 0) + revived
+
+    def allocate_slots(self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None,
+                       prefix: PrefixHit | None = None) -> NewBlocks | None:
         """Make the request's blocks cover positions [0, num_tokens); None (and nothing taken) when the pool
-        has too few free blocks."""
-        table = self._tables.setdefault(request_id, [])
-        need = self.blocks_for(num_tokens) - len(table)
-        if need <= 0:
-            return NewBlocks(())
-        if need > self.pool.num_free:
-            if not table:
-                del self._tables[request_id]
+        has too few free blocks. `prefix` (from find_prefix, first allocation only) starts the table with the
+        shared blocks. With `token_ids`, every block the allocation fills is entered in the prefix cache."""
+        prefix = prefix or PrefixHit()
+        table = self._tables.get(request_id)
+        assert not (table and prefix.block_ids), f"a prefix hit for {request_id}, which already holds blocks"
+        held = len(table) if table else 0
+        if self._new_blocks_needed(num_tokens, held, prefix) > self.pool.num_free:
             return None
-        ids = self.pool.take(need)
+        if table is None:
+            table = self._tables[request_id] = []
+            self._hashes[request_id] = []
+        self.pool.incref(prefix.block_ids)
+        table.extend(prefix.block_ids)
+        self._hashes[request_id].extend(prefix.block_hashes)
+        ids = self.pool.take(max(self.blocks_for(num_tokens) - len(table), 0))
         table.extend(ids)
+        if token_ids is not None and self.enable_prefix_caching:
+            self._cache_full_blocks(request_id, token_ids, min(num_tokens, len(token_ids)))
         return NewBlocks(tuple(ids))
+
+    def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        tpb, table, hashes = self.tokens_per_block, self._tables[request_id], self._hashes[request_id]
+        for i in range(len(hashes), num_tokens // tpb):
+            h = block_hash(hashes[-1] if hashes else b"", token_ids[i * tpb:(i + 1) * tpb])
+            self.pool.cache(table[i], h)
+            hashes.append(h)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Let `child_id` share all of the parent's blocks (reference counted; e.g. n > 1 samples of a prompt).
@@ -98,8 +200,10 @@ class BlockManager:
         table = list(self.block_table(parent_id))
         self.pool.incref(table)
         self._tables[child_id] = table
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
 
     def free(self, request_id: str) -> None:
+        self._hashes.pop(request_id, None)
         self.pool.decref(self._tables.pop(request_id, []))
 
     def check_all_free(self) -> None:
@@ -108,3 +212,4 @@ class BlockManager:
         assert not held and self.pool.num_free == self.pool.num_blocks, (
             f"KV blocks leaked: {self.pool.num_blocks - self.pool.num_free} of {self.pool.num_blocks} not free; "
             f"held by {sorted(held)}")
+        assert all(c == 0 for c in self.pool.ref_counts), "a free block has a non-zero reference count"

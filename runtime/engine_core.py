@@ -14,7 +14,7 @@ from engine.core.errors import EngineError
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .outputs import RequestMetrics, RequestOutput
+from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .sampler import SamplingRow, sample
 from .sampling_params import Logprob
 from .scheduler import Scheduler, SchedulerConfig
@@ -42,15 +42,14 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, session, tokenizer: Tokenizer, eos_token_ids: Seq[int], *, max_batch_size: int,
-                 max_num_tokens: int, tokens_per_block: int, vocab_size: int):
+    def __init__(self, session, tokenizer: Tokenizer, eos_token_ids: Seq[int], *, scheduler: SchedulerConfig,
+                 tokens_per_block: int, vocab_size: int, enable_prefix_caching: bool = True):
         self.session = session
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
-        self.blocks = BlockManager(session.num_blocks, tokens_per_block)
-        self.scheduler = Scheduler(SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens),
-                                   self.blocks)
+        self.blocks = BlockManager(session.num_blocks, tokens_per_block, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler, self.blocks)
         self.requests: dict[str, _Request] = {}
         self.stats = StepStats()
 
@@ -63,6 +62,16 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def engine_stats(self) -> EngineStats:
+        """A snapshot of the scheduler's queues, the KV pool and the counters (plain reads: a caller on another
+        thread may see a step half done, which gauges and counters tolerate)."""
+        sched, blocks = self.scheduler, self.blocks
+        return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_usage=blocks.usage,
+                           num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
+                           num_cached_blocks=blocks.pool.num_cached, preemptions=sched.stats.num_preemptions,
+                           prefix_cache_queries=sched.stats.prefix_cache_queries,
+                           prefix_cache_hits=sched.stats.prefix_cache_hits, num_steps=self.stats.num_steps)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -137,5 +146,6 @@ class EngineCore:
             delta_token_ids=list(delta_ids), finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None, stop_reason=seq.stop_reason,
             metrics=RequestMetrics(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-                                   finish_time=seq.finish_time, num_preemptions=seq.num_preemptions),
+                                   finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
+                                   num_cached_tokens=seq.num_cached_tokens),
             logprobs=list(req.logprobs) if req.logprobs is not None else None)

@@ -59,7 +59,8 @@ def load_engine_config(engine_dir: Path) -> EngineConfig:
         raise EngineError(f"{engine_dir} was built by engine {config.toolchain_version or '(unknown)'}, this is "
                           f"engine {ours}; {rebuild}")
     for rank in range(config.mapping.world_size):
-        if not (engine_dir / engine_file(rank)).is_file():
-            raise EngineError(f"{engine_dir} lacks {engine_file(rank)} of its {config.mapping.world_size} ranks; "
+        name = engine_file(rank, backend)
+        if not (engine_dir / name).is_file():
+            raise EngineError(f"{engine_dir} lacks {name} of its {config.mapping.world_size} ranks; "
                               f"the engine is incomplete: {rebuild}")
     return config

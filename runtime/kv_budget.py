@@ -1,7 +1,9 @@
-"""How many KV blocks the pool gets: from a byte budget (a fraction of available memory) or a token count.
+"""How many KV blocks the pool gets: from a token count, an explicit byte budget, or a fraction of available memory.
 
     available = MemAvailable (psutil, else /proc/meminfo) - engine weights - one step's activations
-    blocks    = floor(kv_cache_mem_fraction * available / kv_bytes_per_block)     or ceil(max_kv_tokens / tpb)
+    blocks    = ceil(max_kv_tokens / tpb)                                          or
+                floor(kv_cache_bytes / kv_bytes_per_block)                          or
+                floor(kv_cache_mem_fraction * available / kv_bytes_per_block)
     blocks    = min(blocks, max_batch_size * blocks of one max_seq_len request)   (more could never be used)
 
 and one max_seq_len request must fit, else the error says which max_seq_len would. Weights and activations
@@ -61,15 +63,23 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
 
 
 def plan_kv_cache(config: EngineConfig, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
-                  max_kv_tokens: int | None = None, available_bytes: int | None = None) -> KVPlan:
+                  max_kv_tokens: int | None = None, kv_cache_bytes: int | None = None,
+                  available_bytes: int | None = None) -> KVPlan:
+    """The pool from, first match: a token count, a byte budget, a fraction of available memory."""
     b = config.build
     tpb = b.tokens_per_block
     per_block = kv_bytes_per_block(config)
+    explicit = max_kv_tokens is not None or kv_cache_bytes is not None
     if max_kv_tokens is not None:
         if max_kv_tokens < 1:
             raise EngineError(f"--max-kv-tokens {max_kv_tokens} must be >= 1", usage=True)
         blocks = -(-max_kv_tokens // tpb)
         source = f"--max-kv-tokens {max_kv_tokens}"
+    elif kv_cache_bytes is not None:
+        if kv_cache_bytes < 1:
+            raise EngineError(f"--kv-cache-memory-bytes {kv_cache_bytes} must be >= 1", usage=True)
+        blocks = kv_cache_bytes // per_block
+        source = f"--kv-cache-memory-bytes {kv_cache_bytes} ({per_block} bytes per block of {tpb} tokens)"
     else:
         if not 0 < kv_cache_mem_fraction <= 1:
             raise EngineError(f"--kv-cache-mem-fraction {kv_cache_mem_fraction} must be in (0, 1]", usage=True)
@@ -88,6 +98,7 @@ def plan_kv_cache(config: EngineConfig, *, kv_cache_mem_fraction: float = DEFAUL
             f"the KV cache from {source} holds {fits} tokens ({blocks} blocks of {tpb}, "
             f"{blocks * per_block / MiB:.1f} MiB), fewer than one request of max_seq_len {b.max_seq_len} "
             f"needs ({per_request * per_block / MiB:.1f} MiB); the largest max_seq_len that fits is {fits}: raise "
-            f"--kv-cache-mem-fraction or --max-kv-tokens (>= {b.max_seq_len}), or rebuild with --max-seq-len {fits}",
-            usage=max_kv_tokens is not None)
+            f"--kv-cache-mem-fraction, --kv-cache-memory-bytes (>= {per_request * per_block}) or --max-kv-tokens "
+            f"(>= {b.max_seq_len}), or rebuild with --max-seq-len {fits}",
+            usage=explicit)
     return KVPlan(num_blocks=blocks, tokens_per_block=tpb, bytes_per_block=per_block)

@@ -3,6 +3,8 @@
     llm = LLM("engine_dir")
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     async for out in llm.generate_async("Hello", params): print(out.delta_text, end="")
+    LLM("engine_dir", scheduling_policy="priority").generate_async(prompt, params, request_id="a", priority=-1)
+    llm.stats()    # running / waiting requests, KV usage, preemptions, prefix-cache queries and hits
 
 The engine core is single-threaded. Sync calls (generate, chat, stream) drive it in the calling thread; the
 async API starts one background engine thread, and from then on every call (sync ones too) submits requests to
@@ -10,8 +12,9 @@ that thread through a locked inbox, so requests from any thread batch together. 
 per-request sinks (an asyncio queue via call_soon_threadsafe, or a plain queue).
 
 Limits are checked when a request is made, before it queues: an empty prompt or one that leaves no room under
-max_input_len / max_seq_len raises EngineError naming the limits; max_tokens beyond max_seq_len - prompt length
-is clipped to it with a warning on the `engine.runtime` logger (the request still runs).
+max_input_len / max_seq_len, or a non-zero priority under the fcfs policy, raises EngineError naming the limit;
+max_tokens beyond max_seq_len - prompt length is clipped to it with a warning on the `engine.runtime` logger
+(the request still runs).
 """
 from __future__ import annotations
 
@@ -23,13 +26,16 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence as Seq, Union
 
+import numpy as np
+
 from engine.core.errors import EngineError
 
 from .engine_core import EngineCore
 from .engine_dir import load_engine_config
 from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
-from .outputs import RequestOutput
+from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .scheduler import DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES, SchedulerConfig
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
@@ -40,23 +46,51 @@ Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
 
 class LLM:
+    """An engine, its KV pool and its scheduler.
+
+    KV pool size, first match: `max_kv_tokens`, `kv_cache_memory_bytes`, else `kv_cache_mem_fraction` of the
+    memory available after the weights; it must hold one max_seq_len request (else EngineError naming the largest
+    max_seq_len that fits). `scheduling_policy` "fcfs" (arrival order; every priority must be 0) or "priority"
+    (lower `priority` first, ties by arrival). `enable_prefix_caching` (default on) shares the KV blocks of common
+    prompt prefixes. `max_prefill_chunk_with_decodes` caps a prefill chunk in a step that also runs decodes
+    (None: no cap), so that a long prompt does not slow every decode of its steps (bench/scheduler.py measures
+    the trade-off). `max_num_tokens` / `max_batch_size`: the per-step token budget and sequence count, at most
+    (and by default) the engine's build limits."""
+
     def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
-                 max_kv_tokens: int | None = None, threads: int | None = None):
+                 max_kv_tokens: int | None = None, threads: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
+                 scheduling_policy: str = "fcfs",
+                 max_prefill_chunk_with_decodes: int | None = DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES,
+                 max_num_tokens: int | None = None, max_batch_size: int | None = None):
         from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
         self.engine_dir = Path(engine_dir)
         self.config = load_engine_config(self.engine_dir)
+        b = self.config.build
+        for name, value, limit in (("max-num-tokens", max_num_tokens, b.max_num_tokens),
+                                   ("max-batch-size", max_batch_size, b.max_batch_size)):
+            if value is not None and not 1 <= value <= limit:
+                raise EngineError(f"--{name} {value} is outside [1, {limit}]: the engine was built for at most "
+                                  f"{limit}; give a value in range, or rebuild with a larger --{name}", usage=True)
+        scheduler = SchedulerConfig(max_batch_size=max_batch_size or b.max_batch_size,
+                                    max_num_tokens=max_num_tokens or b.max_num_tokens,
+                                    policy=scheduling_policy,
+                                    max_prefill_chunk_with_decodes=max_prefill_chunk_with_decodes)
         self.tokenizer = Tokenizer(self.engine_dir)
         self.kv_plan: KVPlan = plan_kv_cache(self.config, kv_cache_mem_fraction=kv_cache_mem_fraction,
-                                             max_kv_tokens=max_kv_tokens)
-        self.session = EngineSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads)
-        b = self.config.build
+                                             max_kv_tokens=max_kv_tokens, kv_cache_bytes=kv_cache_memory_bytes)
+        if self.config.build.backend == "tensorrt":
+            from .trt_session import TrtSession  # torch + tensorrt, imported only for TensorRT engines
+            self.session = TrtSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks)
+        else:
+            self.session = EngineSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads)
         eos = self.config.generation.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(eos)
-        self.core = EngineCore(self.session, self.tokenizer, self.eos_token_ids, max_batch_size=b.max_batch_size,
-                               max_num_tokens=b.max_num_tokens, tokens_per_block=b.tokens_per_block,
-                               vocab_size=self.config.model.vocab_size)
+        self.core = EngineCore(self.session, self.tokenizer, self.eos_token_ids, scheduler=scheduler,
+                               tokens_per_block=b.tokens_per_block, vocab_size=self.config.model.vocab_size,
+                               enable_prefix_caching=enable_prefix_caching)
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
@@ -71,10 +105,24 @@ class LLM:
     def max_seq_len(self) -> int:
         return self.config.build.max_seq_len
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                      request_id: str | None = None) -> tuple[Sequence, str | None]:
+    @property
+    def scheduling_policy(self) -> str:
+        return self.core.scheduler.config.policy
+
+    def stats(self) -> EngineStats:
+        """Queues, KV pool usage, preemptions and prefix-cache counters now (safe from any thread)."""
+        return self.core.engine_stats()
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                      priority: int = 0) -> tuple[Sequence, str | None]:
         """Tokenize and check one request; raises EngineError for prompts the engine cannot take."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise EngineError(f"priority {priority!r} must be an integer (lower runs first)")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise EngineError(f"priority {priority} needs the priority scheduling policy, but this engine runs "
+                              f"{self.scheduling_policy!r} (every request in arrival order, priority 0); start it "
+                              "with scheduling_policy='priority' (--scheduling-policy priority) or drop the priority")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
         b, vocab = self.config.build, self.config.model.vocab_size
@@ -95,7 +143,8 @@ class LLM:
             log.warning("max_tokens %d with a %d-token prompt exceeds max_seq_len %d; generating at most %d tokens",
                         params.max_tokens, len(ids), b.max_seq_len, max_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Sequence(request_id=rid, prompt_token_ids=ids, params=params, max_tokens=max_tokens), text
+        return Sequence(request_id=rid, prompt_token_ids=ids, params=params, max_tokens=max_tokens,
+                        priority=int(priority)), text
 
     def chat_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation under the engine's chat template."""
@@ -103,12 +152,13 @@ class LLM:
 
     # ---- sync API ----------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Final outputs, in prompt order. All prompts run together (continuous batching)."""
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, priority: int | Seq[int] = 0) -> list[RequestOutput]:
+        """Final outputs, in prompt order. All prompts run together (continuous batching); `priority`: one for
+        all prompts or one each (priority policy only)."""
         final: dict[str, RequestOutput] = {}
         order = []
-        for out in self.stream(prompts, params, request_ids=order):
+        for out in self.stream(prompts, params, request_ids=order, priority=priority):
             if out.finished:
                 final[out.request_id] = out
         return [final[rid] for rid in order]
@@ -121,7 +171,7 @@ class LLM:
         return self.generate([self.chat_prompt(c) for c in conversations], params)
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-               *, request_ids: list | None = None) -> Iterator[RequestOutput]:
+               *, request_ids: list | None = None, priority: int | Seq[int] = 0) -> Iterator[RequestOutput]:
         """Every output of every prompt as it is produced (each carries its delta_text); all prompts run
         together. Every prompt is checked before any runs. `request_ids`, when given, receives the request
         ids in prompt order."""
@@ -129,7 +179,10 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise EngineError(f"{len(plist)} sampling params for {len(prompts)} prompts; give one, or one each")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
+        prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        if len(prios) != len(prompts):
+            raise EngineError(f"{len(prios)} priorities for {len(prompts)} prompts; give one, or one each")
+        seqs = [self.make_sequence(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
         if request_ids is not None:
             request_ids.extend(s.request_id for s, _ in seqs)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -164,10 +217,10 @@ class LLM:
     # ---- async API (background engine thread) ------------------------------------------------------------
 
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                             request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                             request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced; leaving the iteration early aborts the request and
         frees its blocks (a client that disconnects)."""
-        seq, text = self.make_sequence(prompt, params, request_id=request_id)
+        seq, text = self.make_sequence(prompt, params, request_id=request_id, priority=priority)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self.start()
@@ -192,6 +245,11 @@ class LLM:
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
             self._thread.start()
+
+    def is_running(self) -> bool:
+        """Whether the background engine thread is alive (False before start() and after it died or closed)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         with self._cond:

@@ -1,4 +1,5 @@
-"""What a request gives back: RequestOutput (cumulative text and tokens, plus the delta since the last one)."""
+"""What a request gives back: RequestOutput (cumulative text and tokens, plus the delta since the last one);
+and what the engine reports about itself: EngineStats (`LLM.stats()`, read by the server's /metrics)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0           # prompt tokens found in the prefix cache (not computed again)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -58,3 +60,22 @@ class RequestOutput:
             return None
         span = m.finish_time - m.first_token_time
         return (self.num_generated_tokens - 1) / span if span > 0 else None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The scheduler's queues, the KV pool and counters since start, under the names /metrics reads."""
+    running: int                         # requests holding KV blocks (scheduled in steps)
+    waiting: int                         # requests queued: new, or preempted to be recomputed
+    kv_usage: float                      # fraction of KV blocks held by requests, 0..1 (cached free ones are free)
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int               # blocks named in the prefix cache, held or free
+    preemptions: int                     # recompute preemptions since start
+    prefix_cache_queries: int            # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int               # of those, tokens found (not computed)
+    num_steps: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -4,32 +4,65 @@ There is no prefill phase nor decode phase (vLLM v1's model): each sequence has 
 num_tokens, and each step brings some sequences' num_computed_tokens closer to their num_tokens. A step fills a
 token budget (max_num_tokens) over at most max_batch_size sequences:
 
-  1. running sequences first, in arrival order: their remaining tokens (1 for a decode, the rest of the prompt for
-     a chunked prefill), cut to the budget left;
-  2. then waiting sequences (new prompts, or preempted ones to recompute), FCFS, while the budget and the batch
-     size allow; a prompt longer than the budget left is chunked, its next chunk runs in the next step.
+  0. (priority policy) a waiting sequence that ranks above the lowest-ranked running one and finds no free
+     batch slot or too few free blocks for its first chunk takes them from it (that one is preempted);
+  1. running sequences with one token to go (decodes), all of them, so a decode never waits for a prefill;
+  2. then prefills in rank order: running ones part-way through their prompt and waiting ones (new prompts, or
+     preempted ones to recompute), while the budget and the batch size allow. A prompt longer than the budget
+     left is chunked; its next chunk runs in the next step. While decodes run, a chunk is also capped at
+     `max_prefill_chunk_with_decodes` tokens: the step's attention pads every sequence to its longest query, so
+     one long chunk would make every decode of the step pay for its length.
 
-A sequence needs KV blocks for every token it computes. When the pool runs out, the latest-arrived running
-sequence is preempted by recompute: its blocks are freed, num_computed_tokens drops to 0 and it goes back to the
-front of the waiting queue with its prompt and everything it generated, to be recomputed when blocks free up.
+Rank: the lower `priority` value first, then the earlier arrival (FCFS is the same order with every priority 0).
+
+A waiting sequence first looks up the prefix cache: the leading full blocks already in the pool count as
+computed, so only the rest runs (at least its last token, whose logits are sampled).
+
+A sequence needs KV blocks for every token it computes. When the pool runs out, the lowest-ranked running
+sequence not yet served in this step (the one asking, if it ranks lowest) is preempted by recompute: its blocks
+are freed, num_computed_tokens drops to 0 and it goes back to the waiting queue with its prompt and everything
+it generated (its full blocks stay in the prefix cache, so the recompute may be short). No waiting sequence is
+admitted in a step whose running sequences ran out of blocks. The highest-ranked running sequence can
+always grow (the pool holds one max_seq_len request), so every step makes progress and nothing is lost.
 Finished sequences free their blocks at once (`finish`), so a waiting prompt can take them in the next step.
 
-The block manager is reached only through allocate_slots / free / block_table (small result types), so priorities
-and prefix caching can be added here and there independently.
+The block manager is reached only through its result types (find_prefix -> PrefixHit, allocate_slots ->
+NewBlocks | None, free): the scheduler never touches a block list.
 """
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass, field
+
+from engine.core.errors import EngineError
 
 from .block_manager import BlockManager
 from .sequence import FinishReason, Sequence, Status
+
+POLICIES = ("fcfs", "priority")
+# The cap on a prefill chunk in a step that also runs decodes, chosen by bench/scheduler.py (part 3) on SmolLM2:
+# eight decodes while a 1,000-token prompt prefills, CPU seconds, 1 thread. Without a cap the one step took 33 s
+# (every decode padded to 1,000 query rows); with caps 32 / 64 / 128 / 256 / 512 the worst step took 1.2 / 2.0 /
+# 3.5 / 6.9 / 14.7 s and the long prompt's TTFT was 24 / 21 / 20 / 21 / 24 s (33 s without a cap). 128 gave the
+# best TTFT with a bounded inter-token time. A cap costs no budget: several prompts still get a chunk each.
+DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES = 128
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int     # sequences per step
     max_num_tokens: int     # tokens per step (the engine's build limit)
+    policy: str = "fcfs"    # "fcfs" | "priority"
+    max_prefill_chunk_with_decodes: int | None = None   # cap on a prefill chunk in a step with decodes
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise EngineError(f"scheduling policy {self.policy!r} is unknown; use one of {', '.join(POLICIES)}",
+                              usage=True)
+        cap = self.max_prefill_chunk_with_decodes
+        if cap is not None and cap < 1:
+            raise EngineError(f"max_prefill_chunk_with_decodes {cap} must be >= 1 (or None for no cap)", usage=True)
 
 
 @dataclass(frozen=True)
@@ -56,54 +89,119 @@ class SchedulerOutput:
         return sum(c.num_new_tokens for c in self.chunks)
 
 
+@dataclass
+class SchedulerStats:
+    """Counters since start (prefix cache in tokens, as vLLM counts them)."""
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0       # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0          # of those, tokens found in the cache
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.blocks = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []     # sorted by rank
         self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
-        # The caller checked that the sequence fits the pool on its own (LLM checks max_seq_len at load).
+        # The caller checked that the sequence fits the pool on its own (LLM checks max_seq_len at load) and
+        # that a non-zero priority comes with the priority policy (LLM.make_sequence).
         assert self.blocks.blocks_for(seq.num_prompt_tokens + seq.max_tokens) <= self.blocks.num_blocks
+        assert self.config.policy == "priority" or seq.priority == 0, seq.priority
+        seq.arrival_index = next(self._arrivals)
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @staticmethod
+    def rank(seq: Sequence) -> tuple[int, int]:
+        return seq.priority, seq.arrival_index
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.policy == "priority":
+            self._make_room_for_higher_priority(out)
+        self.running.sort(key=self.rank)
+        served: set[str] = set()
         budget = self.config.max_num_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert n > 0, (seq.request_id, seq.num_tokens, seq.num_computed_tokens)
-            while self.blocks.allocate_slots(seq.request_id, seq.num_computed_tokens + n) is None:
-                victim = self.running[-1]   # latest arrival; never one already scheduled (those are before i)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.chunks.append(self._take(seq, n))
-                budget -= n
-                i += 1
-                continue
-            break   # seq itself was preempted: everything after it is gone too
-        if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
-                seq = self.waiting[0]
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if self.blocks.allocate_slots(seq.request_id, seq.num_computed_tokens + n) is None:
-                    break
-                self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                out.chunks.append(self._take(seq, n))
-                budget -= n
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        for seq in decodes:
+            if seq.status is Status.RUNNING and budget > 0 and self._grow(seq, 1, served, out):
+                budget -= 1
+        preempted_here = len(out.preempted)
+        cap = self.config.max_prefill_chunk_with_decodes if decodes else None
+        prefills = sorted([s for s in self.running if s.request_id not in served] + self.waiting, key=self.rank)
+        admitting = True
+        for seq in prefills:
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, cap or budget)
+            if seq.status is Status.RUNNING:
+                if self._grow(seq, n, served, out):
+                    budget -= n
+            elif seq.status is Status.WAITING and admitting and len(out.preempted) == preempted_here:
+                taken = self._admit(seq, budget, cap, out)
+                admitting = taken > 0
+                budget -= taken
         return out
+
+    def _grow(self, seq: Sequence, n: int, served: set[str], out: SchedulerOutput) -> bool:
+        """Schedule n more tokens of running `seq`, preempting the lowest-ranked running sequence not yet served
+        while the pool is short; False when `seq` itself was that one."""
+        while self.blocks.allocate_slots(seq.request_id, seq.num_computed_tokens + n, seq.token_ids) is None:
+            victim = max((s for s in self.running if s.request_id not in served), key=self.rank)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        served.add(seq.request_id)
+        out.chunks.append(self._take(seq, n))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, cap: int | None, out: SchedulerOutput) -> int:
+        """Start (or resume) waiting `seq` with its first chunk; the tokens it takes, 0 when it does not fit."""
+        if len(self.running) >= self.config.max_batch_size:
+            return 0
+        hit = self.blocks.find_prefix(seq.token_ids)
+        n = min(seq.num_tokens - hit.num_tokens, budget, cap or budget)
+        if self.blocks.allocate_slots(seq.request_id, hit.num_tokens + n, seq.token_ids, hit) is None:
+            return 0
+        self.stats.prefix_cache_queries += seq.num_tokens
+        self.stats.prefix_cache_hits += hit.num_tokens
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        seq.num_computed_tokens = hit.num_tokens
+        seq.num_cached_tokens = hit.num_tokens
+        self.running.append(seq)
+        out.chunks.append(self._take(seq, n))
+        return n
+
+    def _make_room_for_higher_priority(self, out: SchedulerOutput) -> None:
+        """Preempt the lowest-ranked running sequences for waiting ones that outrank them and lack a batch slot
+        or the blocks of their first chunk (vLLM v0's priority preemption); at most one step's budget of them."""
+        slots = self.config.max_batch_size - len(self.running)
+        reserved = tokens = 0
+        for seq in list(self.waiting):
+            if tokens >= self.config.max_num_tokens:
+                return
+            while True:
+                hit = self.blocks.find_prefix(seq.token_ids)   # a victim's freed blocks may hold the prefix
+                first = min(seq.num_tokens - hit.num_tokens, self.config.max_num_tokens)
+                need = self.blocks.num_blocks_needed(hit.num_tokens + first, hit)
+                if slots >= 1 and need + reserved <= self.blocks.num_free_blocks:
+                    break
+                victim = max(self.running, key=self.rank, default=None)
+                if victim is None or self.rank(victim) <= self.rank(seq):
+                    return
+                self._preempt(victim, out)
+                slots += 1
+            slots -= 1
+            reserved += need
+            tokens += first
 
     def _take(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -112,13 +210,19 @@ class Scheduler:
         seq.num_computed_tokens += n
         return chunk
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _enqueue(self, seq: Sequence) -> None:
+        keys = [self.rank(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self.rank(seq)), seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
+        out.preempted.append(seq)
+        self.stats.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """End `seq` (stopped, length, aborted) and return its blocks to the pool now."""

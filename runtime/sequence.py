@@ -1,7 +1,8 @@
 """The state of one request as the scheduler sees it: its tokens and how many are already in the KV pool.
 
 There is no prefill or decode phase: the tokens from num_computed_tokens to num_tokens still have to run
-through the engine (the whole prompt at first, one sampled token later, everything again after preemption).
+through the engine (the whole prompt at first, less what the prefix cache holds; one sampled token later;
+everything again after preemption). Its rank in the scheduler's queues is (priority, arrival_index).
 It knows nothing of blocks (block_manager.py) nor of text (detokenizer.py).
 """
 from __future__ import annotations
@@ -33,9 +34,12 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int                       # params.max_tokens clipped to the room left by max_seq_len
+    priority: int = 0                     # lower runs first under the priority policy (always 0 under fcfs)
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_index: int = 0                # order of arrival at the scheduler; breaks priority ties
     token_ids: list[int] = field(default_factory=list)   # prompt + output
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0            # tokens found in the prefix cache at its (latest) admission
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it

@@ -120,3 +120,30 @@ def test_help_names_defaults_and_units():
                  "--frequency-penalty", "--seed", "--stop", "--end-id", "--streaming", "--chat", "--output-json",
                  "--kv-cache-mem-fraction", "--max-kv-tokens", "--threads", "--input-file", "--max-output-len"):
         assert flag in r.stdout
+
+
+def test_scheduling_flags(engine_dir, tmp_path):
+    base = ["--input-text", "The capital of France is", "--input-text", "The capital of France was",
+            "--max-output-len", "6"]
+    plain = json.loads((run(engine_dir, *base, "--no-prefix-caching", "--output-json", str(tmp_path / "a.json")),
+                        (tmp_path / "a.json").read_text())[1])
+    r = run(engine_dir, *base, "--scheduling-policy", "priority", "--priority", "1", "--priority", "0",
+            "--max-num-tokens", "3", "--max-batch-size", "1", "--output-json", str(tmp_path / "b.json"))
+    prio = json.loads((tmp_path / "b.json").read_text())
+    assert [o["token_ids"] for o in prio] == [o["token_ids"] for o in plain]
+    # one sequence a step, the second prompt first: it has its first token before the first prompt starts
+    assert prio[1]["time_to_first_token_s"] < prio[0]["time_to_first_token_s"]
+    assert "prefix cache hits 0 of 12 prompt tokens; 0 preemption(s)" in " ".join(r.stderr.split())
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--priority", "1"], ["--priority 1 needs --scheduling-policy priority"]),
+    (["--scheduling-policy", "lifo"], ["'lifo' is unknown", "fcfs, priority"]),
+    (["--scheduling-policy", "priority", "--priority", "1", "--priority", "2", "--priority", "3"],
+     ["3 --priority values for 1 prompts"]),
+    (["--max-num-tokens", "41"], ["--max-num-tokens 41 is outside [1, 40]"]),
+    (["--kv-cache-memory-bytes", "lots"], ["--kv-cache-memory-bytes 'lots' is not a size"]),
+])
+def test_bad_scheduling_flags(engine_dir, args, needles):
+    assert_one_line_error(run(engine_dir, "--input-text", "hi", "--max-output-len", "4", *args, check_rc=2),
+                          *needles)

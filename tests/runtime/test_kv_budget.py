@@ -53,3 +53,14 @@ def test_bad_values(kwargs, named):
 
 def test_available_memory_is_plausible():
     assert 64 * MiB < available_memory() < 1 << 50
+
+
+def test_explicit_byte_budget():
+    plan = plan_kv_cache(config(), kv_cache_bytes=40 * MiB + 5, available_bytes=1)
+    assert plan.num_blocks == 40 and plan.num_bytes == 40 * MiB
+    assert plan_kv_cache(config(), max_kv_tokens=300, kv_cache_bytes=40 * MiB).num_blocks == 19  # tokens first
+    with pytest.raises(EngineError, match="largest max_seq_len that fits is 128.*--kv-cache-memory-bytes") as e:
+        plan_kv_cache(config(), kv_cache_bytes=8 * MiB)
+    assert e.value.exit_code == 2
+    with pytest.raises(EngineError, match="--kv-cache-memory-bytes 0 must be >= 1"):
+        plan_kv_cache(config(), kv_cache_bytes=0)

@@ -4,46 +4,8 @@ The engine is replaced by appending a token for every chunk that wants logits: t
 logits, so this drives exactly the calls the engine core makes."""
 import pytest
 
-from engine.runtime import SamplingParams
-from engine.runtime.block_manager import BlockManager
-from engine.runtime.scheduler import Scheduler, SchedulerConfig
-from engine.runtime.sequence import FinishReason, Sequence
-
-
-def make(num_blocks, tpb=4, max_batch_size=8, max_num_tokens=16):
-    bm = BlockManager(num_blocks, tpb)
-    return Scheduler(SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens), bm), bm
-
-
-def seq(rid, prompt_len, max_tokens):
-    return Sequence(request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)),
-                    params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
-
-
-def run(sched, bm, on_step=None):
-    """Drive until done; returns the per-step outputs. Checks every step's invariants."""
-    steps = []
-    while sched.has_unfinished():
-        out = sched.schedule()
-        assert out.chunks, "a step with unfinished sequences scheduled nothing (deadlock)"
-        assert out.num_tokens <= sched.config.max_num_tokens
-        assert len(out.chunks) <= sched.config.max_batch_size
-        assert len({c.seq.request_id for c in out.chunks}) == len(out.chunks)
-        for c in out.chunks:
-            table = bm.block_table(c.seq.request_id)
-            assert len(table) * bm.tokens_per_block >= c.start_pos + c.num_new_tokens
-        held = [b for s in sched.running for b in bm.block_table(s.request_id)]
-        assert len(held) == len(set(held)), "a block is held twice"
-        steps.append(out)
-        if on_step:
-            on_step(len(steps), out)
-        for c in out.chunks:
-            if c.want_logits:
-                c.seq.append_token(100 + c.seq.num_output_tokens)
-                if c.seq.num_output_tokens >= c.seq.max_tokens:
-                    sched.finish(c.seq, FinishReason.LENGTH)
-    bm.check_all_free()
-    return steps
+from engine.runtime.sequence import FinishReason
+from tests.runtime.scheduling import make, run, seq
 
 
 def test_chunked_prefill_within_budget():
@@ -63,7 +25,7 @@ def test_decodes_first_then_prefills_and_batch_limit():
         sched.add(s)
 
     def check(step, out):
-        kinds = [c.num_new_tokens == 1 and c.start_pos > 0 for c in out.chunks]
+        kinds = [c.start_pos >= c.seq.num_prompt_tokens for c in out.chunks]
         assert kinds == sorted(kinds, reverse=True), "decodes must come before prefills"
         assert len(sched.running) <= 3
     steps = run(sched, bm, check)

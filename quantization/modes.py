@@ -1,0 +1,90 @@
+"""The quantization modes `engine build --dtype` accepts (TensorRT-LLM / ModelOpt names), and their defaults.
+
+    int8_wo    W8A16 weight-only, RTN, one scale per group of input features (per-channel where ORT allows)
+    int4_wo    W4A16 weight-only, RTN, group-wise (16..256; default 32)
+    int4_awq, w4a8_awq, int8_sq, fp8, nvfp4    ModelOpt-calibrated: named, refused until implemented
+
+Group size of int8_wo. TensorRT-LLM's int8_wo is per-channel (one scale per output row). MatMulNBits takes
+block sizes 16..256 only (a power of two; 512 and K itself are refused by ORT 1.32's packer), and SmolLM2's in
+features (576, 1536) are not powers of two, so "per-channel" becomes the largest supported group that divides
+every quantized weight's in features (64 on SmolLM2, 256 where K allows).
+
+accuracy_level (MatMulNBits: 0/1 = fp32 compute, true W8A16/W4A16; 4 = activations quantized to int8 per
+block, int8 dot products). Measured on this CPU (2 threads, a busy machine: medians of interleaved runs):
+  one [576 x 1536] projection, 1 token: fp32 MatMul 0.55 ms; int4 level 0 ~1.0 ms, level 4 ~0.35 ms;
+  int8 level 0 ~5-7 ms (MLAS has no fast 8-bit kernel for fp32 activations), level 4 ~0.4 ms; at 512 tokens
+  level 4 is ~1.5x slower than level 0.
+  SmolLM2-135M, decode at batch 1 relative to fp32: int8 level 4 1.4x, level 0 0.15x; int4 level 4 1.6x,
+  level 0 0.85x. Perplexity (GPL-3 text; fp32 24.93): int8 level 4 25.13 (+0.8%), level 0 25.03 (+0.4%);
+  int4 group 32 level 4 30.94, level 0 30.86 (+24%: this checkpoint's weights are already Q4_1-rounded).
+Level 0 makes the weight-only engines slower at decode than fp32, which defeats them; level 4 is the default
+(as onnxruntime-genai's CPU int4 default), and the build's accuracy report measures what its activation
+rounding costs. `--quant-accuracy-level 0` gives true weight-only arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.core.config import DTYPES, ModelConfig, QuantConfig, parse_dtype
+from engine.core.errors import EngineError
+
+from .weight_only import BITS, GROUP_SIZES, check_group_size
+
+WEIGHT_ONLY = tuple(BITS)
+PLANNED = ("int4_awq", "w4a8_awq", "int8_sq", "fp8", "nvfp4")
+# int4_wo: 32, GGUF's Q4 block; a float32 scale per 32 weights (1/8 byte each) keeps the int4 engine under
+# 0.18x the fp32 one. int8_wo: the largest group that fits (see above).
+DEFAULT_GROUP_SIZE = {"int4_wo": 32}
+ACCURACY_LEVELS = (0, 1, 4)
+DEFAULT_ACCURACY_LEVEL = 4
+
+
+def split_dtype(name: str) -> tuple[str, str | None]:
+    """`--dtype` value -> (compute dtype, quantization mode or None). Weight-only modes compute in float32."""
+    if name in WEIGHT_ONLY:
+        return "float32", name
+    if name in PLANNED:
+        raise EngineError(f"--dtype {name} is not implemented yet (it needs ModelOpt calibration, a later "
+                          f"version); implemented quantized modes: {', '.join(WEIGHT_ONLY)}", usage=True)
+    try:
+        return parse_dtype(name), None
+    except EngineError:
+        raise EngineError(f"--dtype {name!r} is unknown; use one of auto, {', '.join(DTYPES)} or a quantized "
+                          f"mode: {', '.join(WEIGHT_ONLY)}", usage=True) from None
+
+
+def quantized_in_features(model: ModelConfig, tp: int, quantize_lm_head: bool) -> dict[str, int]:
+    """In features of every quantized projection of one rank (row-parallel ones are split by tp)."""
+    ks = {"attention.qkv": model.hidden_size, "attention.dense": model.q_size // tp,
+          "mlp.gate_up": model.hidden_size, "mlp.down": model.intermediate_size // tp}
+    if quantize_lm_head:
+        ks["lm_head"] = model.hidden_size
+    return ks
+
+
+def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
+    """Fill in the defaults of a weight-only QuantConfig (group size, accuracy level) and check them against the
+    model; an unquantized config is returned as is."""
+    if quant.mode is None:
+        return quant
+    if quant.mode not in WEIGHT_ONLY:
+        split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
+    if quant.kv_cache_dtype is not None:
+        raise EngineError(f"KV-cache quantization ({quant.kv_cache_dtype}) is not implemented yet; build without it",
+                          usage=True)
+    level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level
+    if level not in ACCURACY_LEVELS:
+        raise EngineError(f"--quant-accuracy-level {level} is not one of {', '.join(map(str, ACCURACY_LEVELS))}",
+                          usage=True)
+    ks = quantized_in_features(model, tp, quant.quantize_lm_head)
+    group = quant.group_size or DEFAULT_GROUP_SIZE.get(quant.mode)
+    if group is None:
+        fitting = [s for s in GROUP_SIZES if all(k % s == 0 for k in ks.values())]
+        if not fitting:
+            raise EngineError(f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides the in "
+                              f"features {sorted(set(ks.values()))} of this model; it cannot be quantized with "
+                              f"{quant.mode}")
+        group = fitting[-1]
+    for what, k in ks.items():
+        check_group_size(group, k, f"{what} (tp {tp})" if tp > 1 else what)
+    return replace(quant, group_size=group, accuracy_level=level)

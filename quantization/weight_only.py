@@ -1,0 +1,123 @@
+"""Weight-only RTN quantization (int8_wo, int4_wo): a float [out, in] weight -> packed integers + scales.
+
+Symmetric, group-wise round-to-nearest, as TensorRT-LLM's weight-only modes and ModelOpt's INT4 blocks: each
+group of `group_size` consecutive input features of one output row shares one float32 scale, and
+
+    scale = v / -2**(bits-1)    v: the element of largest magnitude in the group, sign kept
+    q     = clip(round(w / scale) + zp, 0, 2**bits - 1)     zp = 2**(bits-1) (8 for int4, 128 for int8)
+    w'    = (q - zp) * scale                                 (dequantize; the largest element maps exactly)
+
+The packing is onnxruntime's own (its MLAS blockwise quantizer, which the MatMulNBits quantizer calls), so the
+bytes are exactly what ORT's MatMulNBits and GatherBlockQuantized kernels read:
+
+    packed [out, in / group_size, group_size * bits / 8] uint8   int4: two values a byte, low nibble first
+    scales [out, in / group_size] float32                       no zero points: zp above is implied
+
+`rtn_scales` recomputes the scales in NumPy from the float weight (they are reproducible from the checkpoint),
+`dequantize` is the NumPy reference every lowering is tested against. Knows nothing of ONNX graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.core.errors import EngineError
+
+BITS = {"int8_wo": 8, "int4_wo": 4}
+# MLAS quantizes and runs blocks of 16..256 elements (a power of two); measured: 512 is refused by the packer.
+GROUP_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class WeightOnlyScheme:
+    """How one linear weight is quantized and run: `accuracy_level` is MatMulNBits' (0: fp32 compute,
+    4: int8 activations per block, see quantization/modes.py for the measured choice)."""
+    bits: int
+    group_size: int
+    accuracy_level: int = 0
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    packed: np.ndarray       # uint8 [N, K / group_size, group_size * bits / 8]
+    scales: np.ndarray       # float32 [N, K / group_size]
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features N, in_features K) of the float weight."""
+        n, blocks, _ = self.packed.shape
+        return n, blocks * self.group_size
+
+    @property
+    def zero_point(self) -> int:
+        return 1 << (self.bits - 1)
+
+
+def check_group_size(group_size: int, in_features: int, what: str) -> None:
+    """A group must be a size the kernels run and must tile the input features exactly."""
+    if group_size not in GROUP_SIZES:
+        raise EngineError(f"group size {group_size} is not supported by ORT's MatMulNBits; use one of "
+                          f"{', '.join(map(str, GROUP_SIZES))}", usage=True)
+    if in_features % group_size:
+        fits = [str(s) for s in GROUP_SIZES if in_features % s == 0]
+        raise EngineError(f"group size {group_size} does not divide the {in_features} input features of {what}; "
+                          f"use a group size that does: {', '.join(fits) or 'none of the supported sizes'}",
+                          usage=True)
+
+
+def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weight") -> QuantizedWeight:
+    """RTN-quantize a float [out, in] weight with onnxruntime's blockwise packer."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    if weight.ndim != 2:
+        raise EngineError(f"{name} has shape {tuple(weight.shape)}; only 2-D [out, in] weights are quantized")
+    if scheme.bits not in (4, 8):
+        raise EngineError(f"{scheme.bits}-bit weights are not supported; use 4 or 8")
+    n, k = weight.shape
+    check_group_size(scheme.group_size, k, name)
+    blocks = k // scheme.group_size
+    packed = np.zeros((n, blocks, scheme.group_size * scheme.bits // 8), dtype=np.uint8)
+    scales = np.zeros((n, blocks), dtype=np.float32)
+    zero_points = np.zeros((n, (blocks * scheme.bits + 7) // 8), dtype=np.uint8)  # unused: symmetric
+    # The packer reads MatMul's B layout [K, N]: the transposed weight.
+    kernel = quantize_matmul_4bits if scheme.bits == 4 else quantize_matmul_8bits
+    kernel(packed, np.ascontiguousarray(weight.T, dtype=np.float32), scales, zero_points, scheme.group_size,
+           n, k, True)
+    return QuantizedWeight(packed, scales, scheme.bits, scheme.group_size)
+
+
+def unpack(q: QuantizedWeight) -> np.ndarray:
+    """The unsigned integers [N, K] of `q` (0..2**bits-1), zero point not removed."""
+    n, k = q.shape
+    if q.bits == 8:
+        return q.packed.reshape(n, k)
+    return np.stack([q.packed & 0x0F, q.packed >> 4], axis=-1).reshape(n, k)
+
+
+def signed_values(q: QuantizedWeight) -> np.ndarray:
+    """The signed integers [N, K] (q - zp): int8 for both widths, in [-2**(bits-1), 2**(bits-1) - 1]."""
+    return (unpack(q).astype(np.int16) - q.zero_point).astype(np.int8)
+
+
+def dequantize(q: QuantizedWeight) -> np.ndarray:
+    """NumPy reference: the float32 [N, K] weight the kernels compute with."""
+    n, k = q.shape
+    values = signed_values(q).astype(np.float32).reshape(n, -1, q.group_size)
+    return (values * q.scales[:, :, None]).reshape(n, k)
+
+
+def rtn_scales(weight: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """The scales [N, K / group_size] RTN gives `weight` (see the module docstring), computed in NumPy."""
+    n, k = weight.shape
+    groups = np.asarray(weight, dtype=np.float32).reshape(n, k // group_size, group_size)
+    idx = np.abs(groups).argmax(axis=-1)[..., None]
+    extreme = np.take_along_axis(groups, idx, axis=-1)[..., 0]
+    return (extreme / np.float32(-(1 << (bits - 1)))).astype(np.float32)
+
+
+def stored_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> int:
+    """Bytes of one quantized weight as stored: packed integers plus float32 scales."""
+    return out_features * in_features * bits // 8 + out_features * (in_features // group_size) * 4

@@ -1,0 +1,340 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app, its lifecycle, admission and errors.
+
+    app = create_app(ServerConfig(engine_dir, served_model_name="smollm2"), load=lambda: LLM(engine_dir))
+    run_server(app, config)            # uvicorn; SIGTERM drains
+
+Lifecycle: the app starts listening at once and loads the engine in a worker thread, then warms it with one
+short generation; until then /health is 503 (and so are the generation endpoints, with Retry-After). /health is
+also 503 when the engine loop died. The engine runs in the LLM's own thread (its async API), never on the
+event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
+stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
+finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits.
+
+Admission: at most max_batch_size + max_queue sequences (a request with n choices over k prompts is n * k) are
+in flight; beyond that a request is answered 429 with Retry-After at once rather than queued without bound.
+A client that disconnects, streaming or not, cancels its request: its sequences are aborted and their KV blocks
+freed. Every error is OpenAI's {"error": {"message", "type", "param", "code"}}; what a client sent never
+causes a 500. Requests themselves are served by serving.py; metrics by metrics.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import threading
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.core.errors import EngineError
+
+from .engine_dir import load_engine_config
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                              TokenizeRequest, validation_error)
+from .sampling_params import SamplingParams
+from .serving import OpenAIServing
+
+log = logging.getLogger("engine.server")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine_dir: Path
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    max_queue: int = 256                 # sequences waiting beyond one full batch
+    scheduling_policy: str = "fcfs"      # "priority": requests' `priority` field orders the queue
+    shutdown_timeout: float = 30.0       # seconds in-flight requests get to finish after SIGTERM
+    keepalive_s: float = 5.0             # SSE comment after this long without a token
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise EngineError(f"--scheduling-policy {self.scheduling_policy!r} is not one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}", usage=True)
+        if self.max_queue < 0:
+            raise EngineError(f"--max-queue {self.max_queue} must be >= 0", usage=True)
+        if self.shutdown_timeout < 0:
+            raise EngineError(f"--shutdown-timeout {self.shutdown_timeout} must be >= 0", usage=True)
+        if self.keepalive_s <= 0:
+            raise EngineError(f"keepalive_s {self.keepalive_s} must be > 0", usage=True)
+        if not self.served_model_name:
+            raise EngineError("--served-model-name must not be empty", usage=True)
+
+
+class ServerState:
+    """What the routes share: the engine once loaded, admission counts, and the lifecycle flags."""
+
+    def __init__(self, config: ServerConfig, max_batch_size: int):
+        self.config = config
+        self.capacity = max_batch_size + config.max_queue
+        self.llm = None
+        self.serving: OpenAIServing | None = None
+        self.load_error: str | None = None
+        self.draining = False
+        self.in_flight = 0                   # sequences admitted and not yet done
+
+    def ready(self) -> OpenAIServing:
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        if self.draining:
+            raise APIError("the server is shutting down; send the request to another replica", status=503,
+                           type="service_unavailable")
+        if self.load_error is not None:
+            raise APIError(f"the engine failed to load: {self.load_error}", status=503, type="service_unavailable")
+        if self.serving is None:
+            raise APIError("the engine is still loading; retry shortly", status=503, type="service_unavailable",
+                           headers=retry)
+        if not self.llm.is_running():
+            raise APIError("the engine loop stopped; the server must be restarted", status=503,
+                           type="service_unavailable")
+        return self.serving
+
+    def admit(self, n: int) -> Callable[[], None]:
+        """Reserve n sequences, or APIError 429 when the bounded queue is full; returns the (idempotent) release."""
+        if n > self.capacity:
+            raise APIError(f"this request needs {n} sequences (prompts x n), more than this server runs at once "
+                           f"({self.capacity}); send fewer prompts or a smaller n", param="n", code="invalid_value")
+        if self.in_flight + n > self.capacity:
+            raise APIError(f"the server is overloaded: its queue is full ({self.in_flight} sequences in flight, "
+                           f"limit {self.capacity}); retry later", status=429, type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)})
+        self.in_flight += n
+        done = False
+
+        def release():
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight -= n
+        return release
+
+
+def _warm(llm) -> None:
+    """Start the engine thread and run one short greedy generation through it (first-call costs paid now)."""
+    llm.start()
+    ids = llm.tokenizer.encode("Hello") or [0]
+    for _ in llm.stream([ids], SamplingParams(temperature=0, max_tokens=2)):
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """text/event-stream that releases the request's admission however the stream ends (even unstarted)."""
+
+    def __init__(self, content, release: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+async def _until_disconnect(request: Request, coro):
+    """Await `coro`, cancelling it if the client disconnects first (then None is returned)."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    work, gone = asyncio.ensure_future(coro), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    return work.result() if work in done else None
+
+
+def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
+    """The app; `load` builds the LLM (called in a worker thread at start-up) with config's scheduling_policy.
+    If it fails, /health stays 503 and a server started by run_server exits with status 1."""
+    engine_config = load_engine_config(config.engine_dir)   # a bad engine dir fails here, before serving
+    max_model_len = engine_config.build.max_seq_len
+    state = ServerState(config, engine_config.build.max_batch_size)
+    metrics = ServerMetrics(config.served_model_name, lambda: state.llm)
+
+    async def load_engine():
+        try:
+            llm = await run_in_threadpool(load)
+            if llm.scheduling_policy != config.scheduling_policy:
+                raise EngineError(f"the server runs --scheduling-policy {config.scheduling_policy} but `load` made "
+                                  f"an LLM with scheduling_policy={llm.scheduling_policy!r}; pass the same to both")
+            await run_in_threadpool(_warm, llm)
+        except Exception as e:  # noqa: BLE001 - reported by /health; run_server exits 1
+            state.load_error = str(e)
+            log.error("the engine failed to load: %s", e)
+            server = getattr(app.state, "uvicorn_server", None)
+            if server is not None:
+                server.should_exit = True
+            return
+        state.llm = llm
+        state.serving = OpenAIServing(llm, config.served_model_name, metrics, keepalive_s=config.keepalive_s,
+                                      engine_alive=llm.is_running)
+        log.info("engine loaded and warmed; serving %s", config.served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(load_engine())
+        yield
+        state.draining = True
+        await task
+        if state.llm is not None:
+            await run_in_threadpool(state.llm.close)
+
+    app = FastAPI(title="engine", lifespan=lifespan)
+    app.state.server = state
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        err = validation_error(list(e.errors()))
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    def authorized(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError("You didn't provide an API key. Send it in the Authorization header as "
+                           "'Bearer KEY'.", status=401, code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError("Incorrect API key provided.", status=401, code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != config.served_model_name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{config.served_model_name}`.",
+                           status=404, param="model", code="model_not_found")
+
+    def check_priority(priority: int) -> None:
+        if priority and config.scheduling_policy != "priority":
+            raise APIError(f"priority {priority} is only honoured when the server runs with --scheduling-policy "
+                           "priority; leave it out or 0", param="priority", code="invalid_value")
+
+    async def generate(request: Request, body, chat: bool):
+        serving = state.ready()
+        check_model(body.model)
+        check_priority(body.priority)
+        n_prompts = 1 if chat else len(body.prompts)
+        release = state.admit(n_prompts * body.n)
+        streaming = False
+        try:
+            prep = await (serving.prepare_chat(body) if chat else serving.prepare_completion(body))
+            if body.stream:
+                streaming = True
+                return _SSEResponse(serving.stream(body, prep, body.priority, chat), release)
+            finals = await _until_disconnect(request, serving.final_outputs(prep, body.priority))
+            if finals is None:            # the client went away; nobody reads this
+                return Response(status_code=499)
+            return JSONResponse(serving.chat_response(prep, finals) if chat
+                                else serving.completion_response(body, prep, finals))
+        finally:
+            if not streaming:
+                release()
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        return await generate(request, body, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await generate(request, body, chat=True)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "engine",
+                "root": str(config.engine_dir), "parent": None, "max_model_len": max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        state.ready()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest):
+        serving = state.ready()
+        check_model(body.model)
+        tok = serving.tokenizer
+
+        def run():
+            if body.messages is not None:
+                msgs = [m.as_template_dict(i) for i, m in enumerate(body.messages)]
+                try:
+                    return tok.encode_chat(msgs, add_generation_prompt=body.add_generation_prompt)
+                except EngineError as e:
+                    raise APIError(str(e), param="messages") from None
+            return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await run_in_threadpool(run)
+        out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        return out
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest):
+        serving = state.ready()
+        check_model(body.model)
+        serving.check_vocab(body.tokens, "tokens")
+        return {"prompt": await run_in_threadpool(serving.tokenizer.decode, body.tokens)}
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(APIError(f"internal server error: {e}", status=500, type="internal_server_error")
+                            .body(), status_code=500)
+
+    return app
+
+
+def run_server(app: FastAPI, config: ServerConfig, log_level: str = "info") -> int:
+    """Serve until SIGINT / SIGTERM (graceful, see the module docstring); 1 if the engine failed to load."""
+    import uvicorn
+
+    state: ServerState = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.draining = True                  # requests on open keep-alive connections now get 503
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                    timeout_graceful_shutdown=config.shutdown_timeout, access_log=False))
+    app.state.uvicorn_server = server
+    # uvicorn re-raises SIGTERM after its graceful shutdown, to die of it; the drain is done by then, so a
+    # no-op handler (which uvicorn restores before re-raising) makes a SIGTERM'd server exit 0.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    try:
+        server.run()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return 1 if state.load_error is not None else 0

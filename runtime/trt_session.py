@@ -1,0 +1,211 @@
+"""The TensorRT executor: one deserialized rank0.engine, its execution context and a KV pool in device memory,
+behind the interface of runtime/session.py (`run(chunks) -> logits`, `config`, `num_blocks`, `tokens_per_block`).
+
+NOTHING IN THIS MODULE HAS RUN ON A GPU. TensorRT cannot be installed on the machines this project is developed
+on (no GPU; its PyPI wheels fetch the libraries from NVIDIA's index). The code follows TensorRT's documented Python
+API (10.x and 11.x: `Runtime.deserialize_cuda_engine`, `IExecutionContext.set_input_shape`, `set_tensor_address`,
+`execute_async_v3(stream_handle)`; docs.nvidia.com/deeplearning/tensorrt/latest/_static/python-api/infer/Core/
+ExecutionContext.html). What runs here is the device stamp check (`check_device`), tested as a plain function.
+
+    TrtSession(engine_dir, num_blocks)
+        checks: backend tensorrt, installed TensorRT == config.json's backend_version (load_engine_config),
+                this GPU's compute capability == tensorrt.json's (an engine is specific to both)
+        pool: two buffers per K/V pool (ping-pong), torch.cuda float32 [num_blocks * tokens_per_block, kv_size]
+    run(chunks):
+        step inputs (numpy, runtime/step_inputs.py) ─copy─▶ device tensors ─set_input_shape/set_tensor_address─┐
+        kcache.{i} ◀─ pool[cur]      kcache_out.{i} ◀─ pool[1 - cur]      logits ◀─ device buffer of its shape ─┤
+        execute_async_v3(stream) ─▶ synchronize ─▶ cur = 1 - cur ─▶ logits to host [:, :vocab_size]  ◀────────┘
+
+Why two pool buffers: the graph writes new K/V with ScatterND into an output tensor distinct from its input. ONNX
+Runtime updates the pool in place when both are bound to one buffer (measured, DESIGN.md), but TensorRT documents
+input/output aliasing only for its KV-cache-update layer (IKVCacheUpdateLayer: "the output ... shares the same
+device memory address with the cache input", docs.nvidia.com/deeplearning/tensorrt/latest/_static/operators/
+KVCacheUpdate.html), whose cache is a dense [B, heads, S_max, hd] per-sequence layout, not our paged slot pool.
+So the step reads pool[cur] and writes the whole updated pool into pool[1 - cur]: correct under documented
+semantics, at the price of twice the pool memory and one device-side pool copy per step (~0.2 ms per GB at H200
+bandwidth: an estimate, not a measurement). builder/tensorrt_backend.py discusses the alternatives. Where the
+engine itself reports each pool output aliased to its input (ICudaEngine.get_aliased_input_tensor, TensorRT 11.4
+bindings), one buffer is used instead.
+
+The API names used here and in builder/tensorrt_backend.py were checked against the strings of the Python bindings
+of TensorRT 11.4.0.106 (tensorrt_cu12_bindings wheel, which installs but cannot load without TensorRT's libraries).
+
+This module must not import builder/ or recipes/; torch (for CUDA memory) and tensorrt are imported lazily.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.core.engine_config import (LOGITS, EngineConfig, engine_file, kcache_name, kcache_out_name,
+                                       vcache_name, vcache_out_name)
+from engine.core.errors import EngineError
+from engine.core.parallel import kv_heads_per_rank
+from engine.core.serde import from_json, read_json, write_json
+
+from .engine_dir import REBUILD, load_engine_config
+from .step_inputs import SeqChunk, make_step_inputs
+
+STAMP_FILE = "tensorrt.json"
+INSTALL = "install the `tensorrt` extra (pip install 'engine[tensorrt]') on a machine with an NVIDIA GPU"
+
+
+@dataclass(frozen=True)
+class DeviceStamp:
+    """What a serialized TensorRT engine is tied to: the TensorRT version that built it and the GPU's compute
+    capability (an engine's kernels are chosen for one architecture). Written by the builder next to config.json."""
+    tensorrt_version: str
+    compute_capability: str          # "9.0" for sm_90
+    device_name: str = ""
+    max_slots: int = 0               # KV pool rows the optimization profile allows (num_blocks * tokens_per_block)
+
+
+def save_stamp(engine_dir: Path, stamp: DeviceStamp) -> None:
+    write_json(Path(engine_dir) / STAMP_FILE, stamp)
+
+
+def load_stamp(engine_dir: Path) -> DeviceStamp:
+    path = Path(engine_dir) / STAMP_FILE
+    if not path.is_file():
+        raise EngineError(f"{engine_dir} lacks {STAMP_FILE} (the TensorRT version and GPU it was built for); "
+                          f"{REBUILD.format(dir=engine_dir)} --backend tensorrt")
+    return from_json(DeviceStamp, read_json(path), where=str(path))
+
+
+def check_device(stamp: DeviceStamp, tensorrt_version: str, compute_capability: str, device_name: str,
+                 engine_dir: Path) -> None:
+    """Refuse an engine built by another TensorRT or for another GPU architecture, saying how to rebuild."""
+    rebuild = f"{REBUILD.format(dir=engine_dir)} --backend tensorrt on this machine"
+    if stamp.tensorrt_version != tensorrt_version:
+        raise EngineError(f"{engine_dir} was built with TensorRT {stamp.tensorrt_version} but TensorRT "
+                          f"{tensorrt_version} is installed; TensorRT engines are not portable across versions: "
+                          f"{rebuild}")
+    if stamp.compute_capability != compute_capability:
+        raise EngineError(f"{engine_dir} was built for compute capability {stamp.compute_capability} "
+                          f"({stamp.device_name or 'unknown GPU'}) but this GPU ({device_name}) has "
+                          f"{compute_capability}; TensorRT engines are specific to a GPU architecture: {rebuild}")
+
+
+def import_tensorrt():
+    """The `tensorrt` module, or an EngineError naming the extra and the GPU requirement."""
+    try:
+        import tensorrt
+    except ImportError as e:  # absent, or the bindings without their libraries (libnvinfer, libnvonnxparser)
+        raise EngineError(f"TensorRT engines need the `tensorrt` Python package and an NVIDIA GPU; "
+                          f"`import tensorrt` failed ({e}): {INSTALL}") from None
+    return tensorrt
+
+
+def cuda_device() -> tuple[str, str]:
+    """(compute capability "major.minor", name) of the current CUDA device; EngineError when none is visible."""
+    import torch
+    if not torch.cuda.is_available():
+        raise EngineError("TensorRT engines run on an NVIDIA GPU and no CUDA device is visible to torch "
+                          "(torch.cuda.is_available() is False): run on a GPU machine with a CUDA build of torch")
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}", torch.cuda.get_device_name()
+
+
+class TrtSession:
+    def __init__(self, engine_dir: Path, *, num_blocks: int):
+        import torch
+
+        engine_dir = Path(engine_dir)
+        self.config: EngineConfig = load_engine_config(engine_dir)
+        cfg, build = self.config, self.config.build
+        if build.backend != "tensorrt":
+            raise EngineError(f"{engine_dir} is a {build.backend} engine; this session runs tensorrt engines")
+        if cfg.mapping.world_size != 1:
+            raise EngineError(f"{engine_dir} is a tp={cfg.mapping.tp_size} engine; running tensor-parallel engines "
+                              "is not supported yet: rebuild with `engine build --tp 1`")
+        trt = import_tensorrt()
+        capability, name = cuda_device()
+        stamp = load_stamp(engine_dir)
+        check_device(stamp, trt.__version__, capability, name, engine_dir)
+        slots = num_blocks * build.tokens_per_block
+        if num_blocks < 1 or slots > stamp.max_slots:
+            raise EngineError(f"num_blocks {num_blocks} must be in [1, {stamp.max_slots // build.tokens_per_block}]: "
+                              "the engine's optimization profile allows at most max_batch_size * max_seq_len KV "
+                              "slots; lower the KV budget or rebuild with larger limits")
+        self.num_blocks = num_blocks
+        self.tokens_per_block = build.tokens_per_block
+        model = cfg.model
+        self._sliding = model.sliding_window if "sliding" in model.layer_types else None
+
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        plan = (engine_dir / engine_file(0, "tensorrt")).read_bytes()
+        self._engine = self._runtime.deserialize_cuda_engine(plan)
+        if self._engine is None:
+            raise EngineError(f"TensorRT could not deserialize {engine_dir / engine_file(0, 'tensorrt')} (see its log "
+                              f"above); {REBUILD.format(dir=engine_dir)} --backend tensorrt")
+        self._context = self._engine.create_execution_context()
+        self._inputs = {self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)
+                        if self._engine.get_tensor_mode(self._engine.get_tensor_name(i)) == trt.TensorIOMode.INPUT}
+        self._device = torch.device("cuda")
+        self._stream = torch.cuda.Stream()
+        kv_size = kv_heads_per_rank(model, 1) * model.head_dim
+        # pools[p][i] = (k, v) of layer i in buffer p; zeros, not empty: padded context entries read slot 0 under a
+        # False mask, and 0 * NaN would poison the softmax (plugins/attention.py).
+        # TensorRT 11.4 reports outputs that alias an input (ICudaEngine.get_aliased_input_tensor, "for certain
+        # operations like KVCacheUpdate"); where every pool output does, one buffer suffices, else ping-pong.
+        aliased = getattr(self._engine, "get_aliased_input_tensor", lambda name: None)
+        in_place = all(aliased(kcache_out_name(i)) == kcache_name(i) and aliased(vcache_out_name(i)) == vcache_name(i)
+                       for i in range(model.num_layers))
+        self._pools = [[(torch.zeros((slots, kv_size), dtype=torch.float32, device=self._device),
+                         torch.zeros((slots, kv_size), dtype=torch.float32, device=self._device))
+                        for _ in range(model.num_layers)] for _ in range(1 if in_place else 2)]
+        self._cur = 0
+
+    def run(self, chunks: list[SeqChunk]) -> np.ndarray:
+        """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
+        import torch
+
+        build = self.config.build
+        if len(chunks) > build.max_batch_size:
+            raise EngineError(f"a step of {len(chunks)} sequences exceeds the engine's max_batch_size "
+                              f"{build.max_batch_size}")
+        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
+        total = len(inputs["input_ids"])
+        if total > build.max_num_tokens:
+            raise EngineError(f"a step of {total} tokens exceeds the engine's max_num_tokens {build.max_num_tokens}")
+        longest = max(c.start_pos + len(c.token_ids) for c in chunks)
+        if longest > build.max_seq_len:
+            raise EngineError(f"a sequence of {longest} tokens exceeds the engine's max_seq_len {build.max_seq_len}")
+        ctx = self._context
+        keep = []  # device copies must outlive the asynchronous execution
+        with torch.cuda.stream(self._stream):
+            for name, array in inputs.items():
+                if name not in self._inputs:
+                    continue
+                t = _on_device(torch, array, self._device)
+                keep.append(t)
+                ctx.set_input_shape(name, tuple(array.shape))
+                ctx.set_tensor_address(name, t.data_ptr())
+            src, dst = self._pools[self._cur], self._pools[(self._cur + 1) % len(self._pools)]
+            for i, ((k, v), (k_out, v_out)) in enumerate(zip(src, dst)):
+                for name, t in ((kcache_name(i), k), (vcache_name(i), v)):
+                    ctx.set_input_shape(name, tuple(t.shape))
+                    ctx.set_tensor_address(name, t.data_ptr())
+                ctx.set_tensor_address(kcache_out_name(i), k_out.data_ptr())
+                ctx.set_tensor_address(vcache_out_name(i), v_out.data_ptr())
+            shape = tuple(ctx.get_tensor_shape(LOGITS))  # known once every input shape is set
+            logits = _on_device(torch, np.empty(shape, dtype=np.float32), self._device)
+            ctx.set_tensor_address(LOGITS, logits.data_ptr())
+            if not ctx.execute_async_v3(self._stream.cuda_stream):
+                raise EngineError("TensorRT failed to enqueue the step (see its log above)")
+        self._stream.synchronize()
+        self._cur = (self._cur + 1) % len(self._pools)
+        return logits.cpu().numpy()[:, :self.config.model.vocab_size]
+
+
+def _on_device(torch, array: np.ndarray, device):
+    """`array` copied to `device`. A step may have no token wanting logits (S = 0); an empty tensor's data_ptr() is
+    0, so every buffer is carved from an allocation of at least one element and TensorRT never sees a null address."""
+    flat = torch.empty(max(array.size, 1), dtype=getattr(torch, array.dtype.name), device=device)
+    view = flat[:array.size].view(array.shape)
+    if array.size:
+        view.copy_(torch.from_numpy(np.ascontiguousarray(array)), non_blocking=True)
+    return view

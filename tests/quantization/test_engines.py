@@ -1,0 +1,116 @@
+"""Quantized engines of tiny models: logits within the mode's tolerance of the float32 engine, MatMulNBits
+against the DequantizeLinear reference, stored tensors at their precision and reproducible from the checkpoint."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+from safetensors.numpy import load_file
+
+from engine.builder.onnxruntime_backend import op_counts
+from engine.core.errors import EngineError
+from engine.runtime.engine_dir import load_engine_config
+from engine.runtime.perplexity import ScoringSession
+from engine.runtime.session import EngineSession
+from engine.runtime.step_inputs import SeqChunk
+from engine.quantization.weight_only import rtn_scales
+from tests.builder.engines import engine_greedy, prompts
+
+from .engines import LOGITS_RELATIVE_RMS, quant_engine, relative_rms
+
+KEYS = ["LlamaForCausalLM", "LlamaForCausalLM:llama3-rope-tied", "Qwen2ForCausalLM", "Gemma2ForCausalLM"]
+MODES = ["int8_wo", "int4_wo"]
+
+
+def _logits(engine, batch):
+    """Prefill logits of each prompt's last token (one step), then 6 greedy decode steps of the first prompt
+    through the paged cache: (prefill logits, decode tokens, decode logits)."""
+    session = EngineSession(engine, num_blocks=64)
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(batch))]
+    prefill = session.run([SeqChunk(ids, 0, t, True) for ids, t in zip(batch, tables)])
+    tokens, decode = engine_greedy(session, batch[0], 6, list(range(40, 48)))
+    return prefill, tokens, decode
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("key", KEYS)
+def test_logits_within_mode_tolerance_of_float32_engine(tiny, key, mode):
+    batch = prompts(2, (7, 19), seed=2)
+    ref_prefill, _, _ = _logits(tiny.engine(key), batch)
+    prefill, tokens, decode = _logits(quant_engine(tiny, key, mode), batch)
+    assert relative_rms(prefill, ref_prefill) <= LOGITS_RELATIVE_RMS[mode]
+    # the decode steps (one-token MatMulNBits) against the float engine's logits along the same tokens
+    path = batch[0] + tokens[:-1]
+    ref_decode = ScoringSession(tiny.engine(key), len(path)).logits(path)[len(batch[0]) - 1:]
+    assert relative_rms(decode, ref_decode) <= LOGITS_RELATIVE_RMS[mode]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lm_head_quantized_tied_embedding_within_tolerance(tiny, mode):
+    key = "LlamaForCausalLM:llama3-rope-tied"
+    batch = prompts(2, (7, 19), seed=3)
+    ref, _, _ = _logits(tiny.engine(key), batch)
+    quant, _, _ = _logits(quant_engine(tiny, key, mode, lm_head=True), batch)
+    assert relative_rms(quant, ref) <= LOGITS_RELATIVE_RMS[mode]
+    counts = op_counts(quant_engine(tiny, key, mode, lm_head=True) / "rank0.onnx")
+    assert counts.get("com.microsoft.GatherBlockQuantized") == 1
+    assert counts.get("com.microsoft.MatMulNBits") == 2 * 4 + 1     # 4 projections a layer + lm_head
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_matmulnbits_engine_matches_dequantize_reference_engine(tiny, mode):
+    """accuracy_level 0 (fp32 compute) MatMulNBits vs unoptimized DequantizeLinear + MatMul, all plugins off."""
+    key = "Qwen2ForCausalLM"
+    batch = prompts(2, (7, 19), seed=4)
+    fused, _, fused_decode = _logits(quant_engine(tiny, key, mode, accuracy_level=0), batch)
+    ref, _, ref_decode = _logits(quant_engine(tiny, key, mode, plugins=False, accuracy_level=0, opt_level="disable"),
+                              batch)
+    counts = op_counts(quant_engine(tiny, key, mode, plugins=False, accuracy_level=0, opt_level="disable")
+                       / "rank0.onnx")
+    assert counts["DequantizeLinear"] == 2 * 5 and "com.microsoft.MatMulNBits" not in counts  # gate, up separate
+    np.testing.assert_allclose(fused, ref, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(fused_decode, ref_decode, atol=1e-4 * np.abs(ref_decode).max())
+
+
+@pytest.mark.parametrize("mode,bits,group", [("int8_wo", 8, 64), ("int4_wo", 4, 32)])
+def test_stored_tensors_are_quantized_and_reproducible(tiny, mode, bits, group):
+    key = "LlamaForCausalLM"
+    engine = quant_engine(tiny, key, mode)
+    config = load_engine_config(engine)
+    assert (config.quantization.mode, config.quantization.group_size) == (mode, group)
+    assert config.quantization.quantize_lm_head is False
+    model = onnx.load(str(engine / "rank0.onnx"))
+    inits = {t.name: t for t in model.graph.initializer}
+    ckpt = load_file(str(tiny.checkpoint(key) / "rank0.safetensors"))
+    for i in range(2):
+        for proj in ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.down"):
+            w = ckpt[f"layers.{i}.{proj}.weight"].astype(np.float32)
+            n, k = w.shape
+            packed = inits[f"layers.{i}.{proj}.weight"]
+            assert packed.data_type == onnx.TensorProto.UINT8
+            assert list(packed.dims) == [n, k // group, group * bits // 8]
+            assert len(numpy_helper.to_array(packed).tobytes()) == n * k * bits // 8
+            scales = numpy_helper.to_array(inits[f"layers.{i}.{proj}.weights_scaling_factor"])
+            np.testing.assert_array_equal(scales, rtn_scales(w, bits, group))
+    # embeddings and lm_head stay float32 by default
+    assert inits["vocab_embedding.weight"].data_type == onnx.TensorProto.FLOAT
+    assert inits["lm_head.weight"].data_type == onnx.TensorProto.FLOAT
+    counts = op_counts(engine / "rank0.onnx")
+    assert counts["com.microsoft.MatMulNBits"] == 2 * 4
+    # the memory plan counts weights at their stored precision
+    data = (engine / "rank0.onnx.data").stat().st_size
+    assert data <= config.memory.weight_bytes_per_rank[0] <= data * 1.05
+
+
+def test_group_size_must_divide_in_features(tiny, tmp_path):
+    from engine.builder.build import build_engine
+    from engine.core.config import QuantConfig
+    from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
+    with pytest.raises(EngineError, match="group size 128 does not divide the 64 input features of attention.qkv"):
+        build_engine(tiny.checkpoint("LlamaForCausalLM"), tmp_path / "e", TEST_BUILD, ALL_PLUGINS,
+                     quant=QuantConfig(mode="int4_wo", group_size=128))
+    with pytest.raises(EngineError, match="int4_awq is not implemented yet"):
+        build_engine(tiny.checkpoint("LlamaForCausalLM"), tmp_path / "e", TEST_BUILD, ALL_PLUGINS,
+                     quant=QuantConfig(mode="int4_awq"))
+    assert not (tmp_path / "e").exists()

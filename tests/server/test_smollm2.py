@@ -1,0 +1,42 @@
+"""The real SmolLM2-135M-Instruct behind the server, driven by the official openai client."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine.builder.build import build_engine
+from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.recipes.convert import ConvertConfig, convert
+from engine.recipes.sources import HFDirSource
+from engine.runtime import LLM
+from tests.server.conftest import MODEL, RunningServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_hf_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2_server")
+    convert(HFDirSource(smollm2_hf_dir), ConvertConfig(output_dir=root / "ckpt"))
+    build = BuildConfig(max_batch_size=4, max_input_len=256, max_seq_len=512, max_num_tokens=256)
+    build_engine(root / "ckpt", root / "engine", build, PluginConfig())
+    s = RunningServer(root / "engine", load=lambda: LLM(root / "engine", max_kv_tokens=4 * 512))
+    s.wait_ready(timeout=120)
+    yield s
+    s.stop()
+
+
+def test_openai_client_chat_answers_the_capital_of_france(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens < 24
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        chat.choices[0].message.content
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
+    assert "Paris" in comp.choices[0].text
+    smollm2_server.wait_all_free()
