@@ -27,6 +27,8 @@ from rich.table import Table
 
 from engine.core.errors import EngineError
 
+from . import options
+
 
 def run_command(
     engine_dir: Path = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required)."),
@@ -62,12 +64,9 @@ def run_command(
                               "chat template (default: off)."),
     output_json: Optional[Path] = typer.Option(None, "--output-json", help="Also write the results to this JSON "
                                                "file (default: none)."),
-    kv_cache_mem_fraction: float = typer.Option(0.5, "--kv-cache-mem-fraction", help="Fraction of available "
-                                                "memory (after weights) for the KV cache, in (0, 1] (default 0.5)."),
-    max_kv_tokens: Optional[int] = typer.Option(None, "--max-kv-tokens", help="KV cache size in tokens; "
-                                                "overrides --kv-cache-mem-fraction (default: none)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads of the engine (default: "
-                                          "onnxruntime's, all physical cores)."),
+    kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
+    max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
+    threads: Optional[int] = options.THREADS,
     kv_cache_memory_bytes: Optional[str] = typer.Option(None, "--kv-cache-memory-bytes", help="KV cache size in "
                                                         "bytes, e.g. 536870912, 512MiB or 2GB; overrides "
                                                         "--kv-cache-mem-fraction (default: none)."),

@@ -16,6 +16,8 @@ import typer
 
 from engine.core.errors import EngineError
 
+from . import options
+
 
 def serve_command(
     engine_dir: Path = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required)."),
@@ -35,12 +37,9 @@ def serve_command(
                                           "field orders the queue, lower first)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds requests in flight get to "
                                            "finish after SIGTERM before they are aborted (default 30)."),
-    kv_cache_mem_fraction: float = typer.Option(0.5, "--kv-cache-mem-fraction", help="Fraction of available "
-                                                "memory (after weights) for the KV cache, in (0, 1] (default 0.5)."),
-    max_kv_tokens: Optional[int] = typer.Option(None, "--max-kv-tokens", help="KV cache size in tokens; "
-                                                "overrides --kv-cache-mem-fraction (default: none)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads of the engine (default: "
-                                          "onnxruntime's, all physical cores)."),
+    kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
+    max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
+    threads: Optional[int] = options.THREADS,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error (default info)."),
 ):
     """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""

@@ -64,3 +64,14 @@ def load_engine_config(engine_dir: Path) -> EngineConfig:
             raise EngineError(f"{engine_dir} lacks {name} of its {config.mapping.world_size} ranks; "
                               f"the engine is incomplete: {rebuild}")
     return config
+
+
+def load_runnable_engine(engine_dir: Path, backend: str) -> EngineConfig:
+    """The config of an engine a session of `backend` can run: checked, of that backend, and tp=1."""
+    config = load_engine_config(engine_dir)
+    if config.build.backend != backend:
+        raise EngineError(f"{engine_dir} is a {config.build.backend} engine; this session runs {backend} engines")
+    if config.mapping.world_size != 1:
+        raise EngineError(f"{engine_dir} is a tp={config.mapping.tp_size} engine; running tensor-parallel engines "
+                          "is not supported yet: rebuild with `engine build --tp 1`")
+    return config

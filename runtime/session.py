@@ -21,20 +21,15 @@ from engine.core.engine_config import (LOGITS, EngineConfig, engine_file, kcache
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
-from .engine_dir import load_engine_config
+from .engine_dir import load_runnable_engine
 from .step_inputs import SeqChunk, make_step_inputs
 
 
 class EngineSession:
     def __init__(self, engine_dir: Path, *, num_blocks: int, threads: int | None = None):
         engine_dir = Path(engine_dir)
-        self.config: EngineConfig = load_engine_config(engine_dir)
+        self.config: EngineConfig = load_runnable_engine(engine_dir, "onnxruntime")
         cfg, build = self.config, self.config.build
-        if build.backend != "onnxruntime":
-            raise EngineError(f"{engine_dir} is a {build.backend} engine; this session runs onnxruntime engines")
-        if cfg.mapping.world_size != 1:
-            raise EngineError(f"{engine_dir} is a tp={cfg.mapping.tp_size} engine; running tensor-parallel engines "
-                              "is not supported yet: rebuild with `engine build --tp 1`")
         if num_blocks < 1:
             raise EngineError(f"num_blocks {num_blocks} must be at least 1")
         self.num_blocks = num_blocks

@@ -45,7 +45,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 from engine.core.serde import from_json, read_json, write_json
 
-from .engine_dir import REBUILD, load_engine_config
+from .engine_dir import REBUILD, load_runnable_engine
 from .step_inputs import SeqChunk, make_step_inputs
 
 STAMP_FILE = "tensorrt.json"
@@ -113,13 +113,8 @@ class TrtSession:
         import torch
 
         engine_dir = Path(engine_dir)
-        self.config: EngineConfig = load_engine_config(engine_dir)
+        self.config: EngineConfig = load_runnable_engine(engine_dir, "tensorrt")
         cfg, build = self.config, self.config.build
-        if build.backend != "tensorrt":
-            raise EngineError(f"{engine_dir} is a {build.backend} engine; this session runs tensorrt engines")
-        if cfg.mapping.world_size != 1:
-            raise EngineError(f"{engine_dir} is a tp={cfg.mapping.tp_size} engine; running tensor-parallel engines "
-                              "is not supported yet: rebuild with `engine build --tp 1`")
         trt = import_tensorrt()
         capability, name = cuda_device()
         stamp = load_stamp(engine_dir)
