@@ -22,7 +22,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
 from .engine_dir import load_runnable_engine
-from .step_inputs import SeqChunk, make_step_inputs
+from .step_inputs import SeqChunk, check_step, make_step_inputs
 
 
 class EngineSession:
@@ -69,12 +69,8 @@ class EngineSession:
 
     def run(self, chunks: list[SeqChunk]) -> np.ndarray:
         """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
-        build = self.config.build
-        if len(chunks) > build.max_batch_size:
-            raise EngineError(f"a step of {len(chunks)} sequences exceeds the engine's max_batch_size "
-                              f"{build.max_batch_size}")
         inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
-        self._check(inputs, chunks)
+        check_step(inputs, chunks, self.config, self.num_blocks)
         for name, array in inputs.items():
             if name in self._input_names:
                 self._binding.bind_cpu_input(name, array)
@@ -82,19 +78,3 @@ class EngineSession:
         self._session.run_with_iobinding(self._binding)
         logits = self._binding.get_outputs()[0].numpy()
         return logits[:, :self.config.model.vocab_size]
-
-    def _check(self, inputs: dict[str, np.ndarray], chunks: list[SeqChunk]) -> None:
-        build = self.config.build
-        total = len(inputs["input_ids"])
-        if total > build.max_num_tokens:
-            raise EngineError(f"a step of {total} tokens exceeds the engine's max_num_tokens {build.max_num_tokens}")
-        longest = max(c.start_pos + len(c.token_ids) for c in chunks)
-        if longest > build.max_seq_len:
-            raise EngineError(f"a sequence of {longest} tokens exceeds the engine's max_seq_len {build.max_seq_len}")
-        ids = inputs["input_ids"]
-        if ids.min() < 0 or ids.max() >= self.config.model.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= self.config.model.vocab_size)][0])
-            raise EngineError(f"token id {bad} is outside the vocabulary [0, {self.config.model.vocab_size})")
-        slots = self.num_blocks * self.tokens_per_block
-        if inputs["kv_slots"].min() < 0 or inputs["kv_slots"].max() >= slots:
-            raise EngineError(f"a block table names a block outside the pool of {self.num_blocks} blocks")

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.core.engine_config import (ATTN_MASK, ATTN_MASK_SLIDING, INPUT_IDS, KV_SLOTS, LOGITS_INDICES,
-                                       OUT_INDEX, POSITIONS, Q_INDEX, SLOT_MAPPING)
+                                       OUT_INDEX, POSITIONS, Q_INDEX, SLOT_MAPPING, EngineConfig)
 from engine.core.errors import EngineError
 
 
@@ -91,3 +91,24 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int,
         near = l[None, None, :] > q_pos[:, :, None] - sliding_window  # the query's own key included
         inputs[ATTN_MASK_SLIDING] = ((causal & near & q_valid[:, :, None]) | pad_row)[:, None]
     return inputs
+
+
+def check_step(inputs: dict[str, np.ndarray], chunks: list[SeqChunk], config: EngineConfig, num_blocks: int) -> None:
+    """Refuse a step the engine was not built for, or one naming tokens or blocks that do not exist."""
+    build, vocab = config.build, config.model.vocab_size
+    if len(chunks) > build.max_batch_size:
+        raise EngineError(f"a step of {len(chunks)} sequences exceeds the engine's max_batch_size "
+                          f"{build.max_batch_size}")
+    total = len(inputs[INPUT_IDS])
+    if total > build.max_num_tokens:
+        raise EngineError(f"a step of {total} tokens exceeds the engine's max_num_tokens {build.max_num_tokens}")
+    longest = max(c.start_pos + len(c.token_ids) for c in chunks)
+    if longest > build.max_seq_len:
+        raise EngineError(f"a sequence of {longest} tokens exceeds the engine's max_seq_len {build.max_seq_len}")
+    ids = inputs[INPUT_IDS]
+    if ids.min() < 0 or ids.max() >= vocab:
+        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+        raise EngineError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    slots = num_blocks * build.tokens_per_block
+    if inputs[KV_SLOTS].min() < 0 or inputs[KV_SLOTS].max() >= slots:
+        raise EngineError(f"a block table names a block outside the pool of {num_blocks} blocks")

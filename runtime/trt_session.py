@@ -46,7 +46,7 @@ from engine.core.parallel import kv_heads_per_rank
 from engine.core.serde import from_json, read_json, write_json
 
 from .engine_dir import REBUILD, load_runnable_engine
-from .step_inputs import SeqChunk, make_step_inputs
+from .step_inputs import SeqChunk, check_step, make_step_inputs
 
 STAMP_FILE = "tensorrt.json"
 INSTALL = "install the `tensorrt` extra (pip install 'engine[tensorrt]') on a machine with an NVIDIA GPU"
@@ -158,17 +158,8 @@ class TrtSession:
         """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
         import torch
 
-        build = self.config.build
-        if len(chunks) > build.max_batch_size:
-            raise EngineError(f"a step of {len(chunks)} sequences exceeds the engine's max_batch_size "
-                              f"{build.max_batch_size}")
         inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
-        total = len(inputs["input_ids"])
-        if total > build.max_num_tokens:
-            raise EngineError(f"a step of {total} tokens exceeds the engine's max_num_tokens {build.max_num_tokens}")
-        longest = max(c.start_pos + len(c.token_ids) for c in chunks)
-        if longest > build.max_seq_len:
-            raise EngineError(f"a sequence of {longest} tokens exceeds the engine's max_seq_len {build.max_seq_len}")
+        check_step(inputs, chunks, self.config, self.num_blocks)
         ctx = self._context
         keep = []  # device copies must outlive the asynchronous execution
         with torch.cuda.stream(self._stream):

@@ -93,3 +93,26 @@ def engine_greedy(session, ids: list[int], steps: int, blocks: list[int]) -> tup
         logits.append(session.run([SeqChunk([tokens[-1]], len(ids) + len(tokens) - 1, blocks, True)])[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, np.stack(logits)
+
+
+def check_parity(session, model, key: str, *, steps: int, seed: int, decode_prompt: int) -> None:
+    """Three prompts (shorter and longer than the tiny models' sliding window of 8, not block-aligned) prefilled in
+    one step, each last-token logits vs transformers; then `steps` greedy tokens of one of them through the paged
+    cache, logits and tokens vs transformers' greedy generate."""
+    from engine.runtime.step_inputs import SeqChunk
+    from tests.tolerances import assert_logits_close
+    batch = prompts(3, (5, 13, 30), seed=seed)
+    tables, next_block = [], 0
+    for ids in batch:
+        n = -(-len(ids) // session.config.build.tokens_per_block)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    logits = session.run([SeqChunk(ids, 0, table, True) for ids, table in zip(batch, tables)])
+    for row, ids in zip(logits, batch):
+        assert_logits_close(row, hf_last_logits(model, ids), what=f"{key} prefill of {len(ids)} tokens")
+    ids = batch[decode_prompt]
+    blocks = list(range(40, 40 + -(-(len(ids) + steps) // session.config.build.tokens_per_block)))
+    tokens, engine_logits = engine_greedy(session, ids, steps, blocks)
+    ref_tokens, ref_logits = hf_greedy(model, ids, steps)
+    assert_logits_close(engine_logits, ref_logits, what=f"{key} greedy decode logits")
+    assert tokens == ref_tokens

@@ -13,8 +13,8 @@ from engine.core.engine_config import LOGITS, engine_file, kcache_name, kcache_o
 from engine.core.parallel import kv_heads_per_rank
 from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.session import EngineSession
-from engine.runtime.step_inputs import SeqChunk, make_step_inputs
-from tests.builder.engines import engine_greedy, hf_greedy, hf_last_logits, prompts
+from engine.runtime.step_inputs import make_step_inputs
+from tests.builder.engines import check_parity, engine_greedy, hf_greedy, prompts
 from tests.tiny_models import TINY_CONFIGS
 from tests.tolerances import assert_logits_close
 
@@ -47,22 +47,7 @@ def test_only_ops_tensorrt_parses(tiny, key):
 @pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
 def test_parity_in_place(tiny, key):
     session = EngineSession(tiny.trt_flavour(key), num_blocks=64)
-    model = tiny.hf_model(key)
-    batch = prompts(3, (5, 13, 30), seed=2)
-    tables, next_block = [], 0
-    for ids in batch:
-        n = -(-len(ids) // session.config.build.tokens_per_block)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    logits = session.run([SeqChunk(ids, 0, table, True) for ids, table in zip(batch, tables)])
-    for row, ids in zip(logits, batch):
-        assert_logits_close(row, hf_last_logits(model, ids), what=f"{key} prefill of {len(ids)} tokens")
-    ids = batch[2]
-    blocks = list(range(40, 40 + -(-(len(ids) + STEPS) // session.config.build.tokens_per_block)))
-    tokens, engine_logits = engine_greedy(session, ids, STEPS, blocks)
-    ref_tokens, ref_logits = hf_greedy(model, ids, STEPS)
-    assert_logits_close(engine_logits, ref_logits, what=f"{key} greedy decode logits")
-    assert tokens == ref_tokens
+    check_parity(session, tiny.hf_model(key), key, steps=STEPS, seed=2, decode_prompt=2)
 
 
 class PingPongSession:
