@@ -22,3 +22,13 @@ def smollm2_gguf() -> Path:
 def smollm2_hf_dir() -> Path:
     """The float32 HF checkpoint transformers makes from that GGUF (safetensors, tokenizer, chat template)."""
     return real_model.smollm2_hf_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_hf_dir, tmp_path_factory) -> Path:
+    """The tp=1 float32 engine checkpoint of that HF dir, converted once per test session."""
+    from engine.recipes.convert import ConvertConfig, convert
+    from engine.recipes.sources import HFDirSource
+    out = tmp_path_factory.mktemp("smollm2_checkpoint") / "ckpt"
+    convert(HFDirSource(smollm2_hf_dir), ConvertConfig(output_dir=out))
+    return out

@@ -13,8 +13,6 @@ import torch
 
 from engine.builder.build import build_engine
 from engine.core.engine_config import BuildConfig, PluginConfig
-from engine.recipes.convert import ConvertConfig, convert
-from engine.recipes.sources import HFDirSource
 from engine.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -28,12 +26,11 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_engine(smollm2_hf_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("smollm2")
-    convert(HFDirSource(smollm2_hf_dir), ConvertConfig(output_dir=root / "ckpt"))
+def smollm2_engine(smollm2_checkpoint, tmp_path_factory):
+    engine = tmp_path_factory.mktemp("smollm2") / "engine"
     build = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024, max_num_tokens=1024)
-    build_engine(root / "ckpt", root / "engine", build, PluginConfig())
-    return root / "engine"
+    build_engine(smollm2_checkpoint, engine, build, PluginConfig())
+    return engine
 
 
 def test_run_chat_answers_the_capital_of_france(smollm2_engine):

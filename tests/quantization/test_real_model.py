@@ -23,8 +23,6 @@ from engine.builder.onnxruntime_backend import op_counts
 from engine.core.config import QuantConfig
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.quantization.accuracy import AccuracyOptions
-from engine.recipes.convert import ConvertConfig, convert
-from engine.recipes.sources import HFDirSource
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +34,13 @@ SIZE = {"int8_wo": 0.30, "int4_wo": 0.18}
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2_hf_dir, tmp_path_factory):
+def engines(smollm2_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2_quant")
-    convert(HFDirSource(smollm2_hf_dir), ConvertConfig(output_dir=root / "ckpt"))
-    build_engine(root / "ckpt", root / "float32", BUILD, PluginConfig())
+    build_engine(smollm2_checkpoint, root / "float32", BUILD, PluginConfig())
     for mode in TARGET:
-        build_engine(root / "ckpt", root / mode, BUILD, PluginConfig(), quant=QuantConfig(mode=mode),
+        build_engine(smollm2_checkpoint, root / mode, BUILD, PluginConfig(), quant=QuantConfig(mode=mode),
                      accuracy=AccuracyOptions(max_ppl_increase=TARGET[mode]))
-        build_engine(root / "ckpt", root / f"{mode}_lm_head", BUILD, PluginConfig(),
+        build_engine(smollm2_checkpoint, root / f"{mode}_lm_head", BUILD, PluginConfig(),
                      quant=QuantConfig(mode=mode, quantize_lm_head=True), accuracy=AccuracyOptions(eval_tokens=0))
     return root
 

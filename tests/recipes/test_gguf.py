@@ -256,13 +256,12 @@ def test_cli_missing_gguf_is_a_usage_error(tmp_path):
 # ---- the real model: SmolLM2-135M-Instruct, Q4_1 -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def real_ckpts(tmp_path_factory, smollm2_gguf, smollm2_hf_dir):
+def real_ckpts(tmp_path_factory, smollm2_gguf, smollm2_checkpoint):
     """tp=1 checkpoints from the GGUF (Python API) and from the HF dir transformers made from it."""
     root = tmp_path_factory.mktemp("smollm2")
     with GGUFSource(smollm2_gguf) as source:
         convert(source, ConvertConfig(output_dir=root / "gguf"))
-    convert(HFDirSource(smollm2_hf_dir), ConvertConfig(output_dir=root / "hf"))
-    return root / "gguf", root / "hf"
+    return root / "gguf", smollm2_checkpoint
 
 
 @pytest.mark.slow

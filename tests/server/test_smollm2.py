@@ -6,8 +6,6 @@ import pytest
 
 from engine.builder.build import build_engine
 from engine.core.engine_config import BuildConfig, PluginConfig
-from engine.recipes.convert import ConvertConfig, convert
-from engine.recipes.sources import HFDirSource
 from engine.runtime import LLM
 from tests.server.conftest import MODEL, RunningServer
 
@@ -15,11 +13,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2_server(smollm2_hf_dir, tmp_path_factory):
+def smollm2_server(smollm2_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2_server")
-    convert(HFDirSource(smollm2_hf_dir), ConvertConfig(output_dir=root / "ckpt"))
     build = BuildConfig(max_batch_size=4, max_input_len=256, max_seq_len=512, max_num_tokens=256)
-    build_engine(root / "ckpt", root / "engine", build, PluginConfig())
+    build_engine(smollm2_checkpoint, root / "engine", build, PluginConfig())
     s = RunningServer(root / "engine", load=lambda: LLM(root / "engine", max_kv_tokens=4 * 512))
     s.wait_ready(timeout=120)
     yield s
