@@ -4,9 +4,11 @@
     for each rank (in worker processes with --workers > 1):
         rank tensors (lazy from rank{N}.safetensors, or resharded from a checkpoint of another tp)
         -> model_graph.build_graph -> rank{N}.raw.onnx -> ORT optimizes -> rank{N}.onnx + rank{N}.onnx.data
-    config.json (EngineConfig), tokenizer files      all inside a temporary sibling, renamed when complete
+    tokenizer files, then config.json (EngineConfig) with its manifest: size and sha256 of every other file, the
+    checkpoint's and the source's digests        all inside a temporary sibling, renamed when complete
     quantized (QuantConfig.mode): the projections are quantized while the graph is built (RTN at build, from the
-        float checkpoint); then an unquantized reference engine is built in a second temporary sibling, both are
+        float checkpoint; int8_sq / fp8 / int4_awq are first calibrated with ModelOpt on a torch model of the checkpoint,
+        quantization/calibrate.py); then an unquantized reference engine is built in a second temporary sibling, both are
         scored on held-out tokens (quantization/accuracy.py), the report goes into config.json, and
         --max-ppl-increase can fail the build before anything is renamed into place
 
@@ -16,6 +18,7 @@ dropped as soon as the graph holds it, and the proto as soon as it is saved.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -25,17 +28,20 @@ from typing import Callable, Iterator, MutableMapping
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.core.artifacts import (CheckpointConfig, atomic_output_dir, copy_tokenizer_files,
-                                   load_checkpoint_config, rank_file, save_config)
+                                   load_checkpoint_config, rank_file, save_config, save_sealed, verify_checkpoint)
 from engine.core.config import DTYPES, Mapping, ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, EngineConfig, PluginConfig, engine_file
 from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
 from engine.core.sharding import Packer, shard, unpack_and_merge
+from engine.core.tensors import rank_elements
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, accuracy_report, check_gate, held_out_windows
+from engine.quantization import calibrated as calib
+from engine.quantization.calibrate import CalibrationOptions
 from engine.quantization.weight_only import BITS
 from engine.runtime.engine_dir import backend_version, toolchain_version
 from engine.runtime.trt_session import save_stamp
@@ -44,6 +50,7 @@ from . import onnxruntime_backend as ortb
 from . import tensorrt_backend as trtb
 from .memory import memory_plan
 from .model_graph import build_graph
+from .segments import save_segments
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 KV_CACHE_DTYPES = ("float32",)
@@ -70,7 +77,7 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
                           "decode step of a full batch would not fit; raise --max-num-tokens", usage=True)
     if b.dtype not in DTYPES:
         hint = (f"; quantized modes are a QuantConfig(mode={b.dtype!r}) with a float32 compute dtype (the CLI's "
-                f"--dtype {b.dtype} does this)" if b.dtype in modes.WEIGHT_ONLY + modes.PLANNED else "")
+                f"--dtype {b.dtype} does this)" if b.dtype in modes.IMPLEMENTED + modes.PLANNED else "")
         raise EngineError(f"--dtype {b.dtype!r} is not a compute dtype; use one of {', '.join(DTYPES)}{hint}",
                           usage=True)
     if b.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -95,7 +102,9 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
             "stored and computed in float32")
     precision = {"checkpoint": ckpt.dtype, "weights": "float32", "activations": "float32",
                  "kv_cache": build.kv_cache_dtype, "logits": "float32", **({"note": note} if note else {})}
-    if quant is not None and quant.mode is not None:
+    if quant is not None and quant.mode in calib.CALIBRATED:
+        precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head))
+    elif quant is not None and quant.mode is not None:
         bits = BITS[quant.mode]
         head = f"int{bits}" if quant.quantize_lm_head else "float32"
         tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
@@ -110,17 +119,38 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
 
 # ---- rank tensors -----------------------------------------------------------------------------------------
 
+_CORRUPT = "the checkpoint is truncated or corrupt — convert the model again with `engine convert`"
+
+
+def _open_rank_file(path: Path):
+    """safe_open of a checkpoint rank file; a missing, truncated or corrupt one is an EngineError naming it."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise EngineError(f"{path} does not exist; {_CORRUPT}") from None
+    except (SafetensorError, OSError) as e:
+        raise EngineError(f"cannot read {path}: {e}; {_CORRUPT}") from None
+
+
+def _read_tensor(file, path: Path, name: str) -> torch.Tensor:
+    try:
+        return file.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise EngineError(f"cannot read tensor {name} from {path}: {e}; {_CORRUPT}") from None
+
+
 class _LazyRank(MutableMapping):
     """The packed tensors of one checkpoint rank, read from its safetensors file only when popped."""
 
     def __init__(self, path: Path):
-        self._file = safe_open(str(path), framework="pt")
+        self._path = path
+        self._file = _open_rank_file(path)
         self._names = set(self._file.keys())
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._names:
             raise KeyError(name)
-        return self._file.get_tensor(name).float().numpy()
+        return _read_tensor(self._file, self._path, name).float().numpy()
 
     def __delitem__(self, name: str) -> None:
         self._names.remove(name)
@@ -131,19 +161,36 @@ class _LazyRank(MutableMapping):
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._names))
 
+    def num_elements(self) -> int:
+        return sum(math.prod(self._file.get_slice(n).get_shape()) for n in self._names)
+
     def __len__(self) -> int:
         return len(self._names)
+
+
+def _check_elements(found: int, model: ModelConfig, tp: int, path: Path) -> None:
+    """A rank file must hold exactly the weights its config.json describes; a config edited or swapped for another
+    model's would otherwise fail later as a shape error inside ONNX Runtime."""
+    expected = rank_elements(model, tp)
+    if found != expected:
+        raise EngineError(f"{path} holds {found} weights but the checkpoint's config.json describes a model with "
+                          f"{expected} per rank (tp {tp}); config.json and the weights do not belong together — "
+                          "convert the model again with `engine convert`")
 
 
 def rank_tensors(ckpt_dir: Path, ckpt: CheckpointConfig, tp: int, rank: int) -> MutableMapping:
     """Packed tensors of `rank` of `tp`: the checkpoint's own rank, or resharded when its tp differs."""
     model, src_tp = ckpt.model, ckpt.mapping.tp_size
     if src_tp == tp:
-        return _LazyRank(Path(ckpt_dir) / rank_file(rank))
+        lazy = _LazyRank(Path(ckpt_dir) / rank_file(rank))
+        _check_elements(lazy.num_elements(), model, tp, Path(ckpt_dir) / rank_file(rank))
+        return lazy
     ranks = []
     for r in range(src_tp):
-        with safe_open(str(Path(ckpt_dir) / rank_file(r)), framework="pt") as f:
-            ranks.append({n: f.get_tensor(n) for n in f.keys()})
+        path = Path(ckpt_dir) / rank_file(r)
+        with _open_rank_file(path) as f:
+            ranks.append({n: _read_tensor(f, path, n) for n in f.keys()})
+        _check_elements(sum(t.numel() for t in ranks[-1].values()), model, src_tp, path)
     logical = unpack_and_merge(ranks, model)
     del ranks
     if model.tie_word_embeddings:
@@ -172,14 +219,21 @@ class RankJob:
     plugins: PluginConfig
     quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
     trt: trtb.TensorRTOptions = dataclasses.field(default_factory=trtb.TensorRTOptions)
+    calibrated: dict | None = None  # calibrated projections by canonical name (quantization/calibrated.py)
 
 
 def build_rank(job: RankJob) -> int:
-    """Build rank{N}.onnx of `job` into job.out_dir; returns the rank (runs in a worker process)."""
+    """Build rank{N}.onnx of `job` into job.out_dir (tp > 1 on onnxruntime: its segment graphs, builder/segments.py);
+    returns the rank (runs in a worker process)."""
     ckpt = load_checkpoint_config(job.ckpt_dir)
     tensors = rank_tensors(job.ckpt_dir, ckpt, job.build.tp_size, job.rank)
+    if job.calibrated is not None:
+        tensors = calib.CalibratedTensors(tensors, job.calibrated)
     graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size, job.quant)
     del tensors
+    if job.build.tp_size > 1 and job.build.backend == "onnxruntime":
+        save_segments(graph, job.out_dir, job.rank, num_layers=ckpt.model.num_layers, opt_level=job.build.opt_level)
+        return job.rank
     # Move the initializers into the proto one at a time (protobuf copies on append), so the weights are never
     # held twice; saving then moves each one's bytes to the external file and clears it.
     initializers, graph.initializers = graph.initializers, []
@@ -196,9 +250,6 @@ def build_rank(job: RankJob) -> int:
         trtb.build_rank_engine(raw, job.out_dir / engine_file(job.rank, "tensorrt"), job.build, job.trt)
         return job.rank
     out = job.out_dir / engine_file(job.rank)
-    if job.build.tp_size > 1:
-        ortb.save_raw(proto, out)  # unoptimized: see build_engine
-        return job.rank
     raw = job.out_dir / f"rank{job.rank}.raw.onnx"
     ortb.save_raw(proto, raw)
     del proto
@@ -209,10 +260,13 @@ def build_rank(job: RankJob) -> int:
 def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: PluginConfig, *,
                  force: bool = False, workers: int = 1, progress: Callable[[str], None] | None = None,
                  quant: QuantConfig | None = None, accuracy: AccuracyOptions | None = None,
-                 trt: trtb.TensorRTOptions | None = None) -> EngineConfig:
+                 trt: trtb.TensorRTOptions | None = None,
+                 calibration: CalibrationOptions | None = None, build_flags: dict | None = None) -> EngineConfig:
     """Build every rank of the engine into `out_dir` (atomically) and return its config. `quant` with a mode
-    quantizes at build; `accuracy` sets its report and gate (default: sampled held-out text, no gate)."""
+    quantizes at build; `accuracy` sets its report and gate (default: sampled held-out text, no gate);
+    `build_flags` (the CLI's resolved flags) are recorded in config.json."""
     ckpt = load_checkpoint_config(ckpt_dir)
+    ckpt_digest = verify_checkpoint(ckpt_dir)  # hashes every file: a damaged checkpoint never becomes an engine
     build = dataclasses.replace(build, backend=resolve_backend(build.backend))
     check_build_config(ckpt.model, build)
     trt = trt or trtb.TensorRTOptions()
@@ -224,24 +278,31 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         if quant is not None and quant.mode is not None and accuracy is not None and accuracy.max_ppl_increase:
             raise EngineError("--max-ppl-increase is not supported with --backend tensorrt yet (the accuracy report "
                               "scores engines with onnxruntime); leave it out", usage=True)
-    if build.tp_size > 1:
-        # ORT's CPU build cannot load a graph with AllReduce, so tp > 1 ranks are saved unoptimized (build_rank);
-        # the manifest says so, for the runtime that will optimize them where NCCL/gloo kernels exist.
-        build = dataclasses.replace(build, opt_level="disable")
     if ckpt.quantization.mode is not None:
         raise EngineError(f"checkpoint {ckpt_dir} is quantized ({ckpt.quantization.mode}); engines are quantized at "
                           "build from a float checkpoint: convert without quantization and pass --dtype "
                           f"{ckpt.quantization.mode} to `engine build`")
     quant = modes.resolve(quant or QuantConfig(), ckpt.model, build.tp_size)
     accuracy = accuracy or AccuracyOptions()
+    if quant.mode in calib.CALIBRATED and build.backend == "tensorrt":
+        raise EngineError(f"--dtype {quant.mode} is built for onnxruntime only so far (its calibrated kernels are "
+                          "not checked under TensorRT); pass --backend onnxruntime", usage=True)
     config = EngineConfig(
-        model=ckpt.model, build=build, plugins=plugins,
+        model=ckpt.model, build=build, build_flags=dict(build_flags or {}), plugins=plugins,
         mapping=Mapping(world_size=build.tp_size, tp_size=build.tp_size, pp_size=1),
         quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant),
         precision=precision_of(ckpt, build, quant), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
     with atomic_output_dir(out_dir, force=force) as tmp:
-        jobs = [RankJob(Path(ckpt_dir), tmp, r, build, plugins, quant, trt) for r in range(build.tp_size)]
+        calibrated = None
+        if quant.mode in calib.CALIBRATED:  # ModelOpt on a torch model of the checkpoint (quantization/calibrate.py)
+            from engine.quantization.calibrate import calibrate
+            calibrated, record = calibrate(ckpt.model, dict(rank_tensors(ckpt_dir, ckpt, 1, 0)), quant,
+                                           calibration or CalibrationOptions(), Path(ckpt_dir),
+                                           ckpt.generation.bos_token_id, build.max_seq_len)
+            quant = dataclasses.replace(quant, calibration=record)
+            config = dataclasses.replace(config, quantization=quant)
+        jobs = [RankJob(Path(ckpt_dir), tmp, r, build, plugins, quant, trt, calibrated=calibrated) for r in range(build.tp_size)]
         if workers > 1 and len(jobs) > 1:
             with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
                 for rank in pool.map(build_rank, jobs):
@@ -252,10 +313,11 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
                 build_rank(job)
                 if progress:
                     progress(engine_file(job.rank, build.backend))
-        save_config(tmp, config)
         if build.backend == "tensorrt":
             save_stamp(tmp, trtb.device_stamp(build))
         copy_tokenizer_files(ckpt_dir, tmp)
+        # last: the manifest lists every other file (the accuracy report below changes config.json only)
+        config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)
         if quant.mode is not None and accuracy.eval_tokens and build.backend == "onnxruntime":
             report = _accuracy(Path(ckpt_dir), tmp, config, accuracy)
             config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
@@ -276,7 +338,7 @@ def _accuracy(ckpt_dir: Path, engine_dir: Path, config: EngineConfig, opts: Accu
                                         memory=memory_plan(config.model, config.build),
                                         precision={})
         build_rank(RankJob(ckpt_dir, ref_dir, 0, config.build, config.plugins))
-        save_config(ref_dir, reference)
+        save_sealed(ref_dir, reference)
         windows, source = held_out_windows(opts, ref_dir, ckpt_dir, config.generation.bos_token_id)
         return accuracy_report(ref_dir, engine_dir, windows, source)
     finally:

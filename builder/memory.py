@@ -19,6 +19,7 @@ from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, MemoryPlan
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
+from engine.quantization import calibrated
 from engine.quantization.weight_only import BITS, stored_bytes
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -40,7 +41,10 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
         return rank_weight_elements(model, tp, max_seq_len) * compute
-    bits, group = BITS[quant.mode], quant.group_size
+    group = quant.group_size
+    if quant.mode in calibrated.CALIBRATED:
+        return _calibrated_bytes(model, tp, max_seq_len, quant)
+    bits = BITS[quant.mode]
     quantized = set(QUANTIZED_PROJECTIONS) | ({"lm_head"} if quant.quantize_lm_head else set())
     shapes = logical_shapes(model)
     tied = model.tie_word_embeddings
@@ -57,6 +61,30 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
             total += stored_bytes(*rows_cols, bits, group)
         else:
             total += math.prod(rows_cols) * compute
+    return total
+
+
+def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig) -> int:
+    """Calibrated modes: packed projections at their precision (quantization/calibrated.py); a tied embedding with
+    a quantized lm_head reads the lm_head's table."""
+    compute = DTYPE_BYTES["float32"]
+    total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
+    h, inter = model.hidden_size, model.intermediate_size
+    packed = [(model.q_size + 2 * model.kv_size, h), (h, model.q_size), (2 * inter, h), (h, inter)]
+    for n, k in packed:
+        total += model.num_layers * calibrated.stored_bytes(quant.mode, n, k, quant.group_size)
+    for name, shape in logical_shapes(model).items():
+        _, stem, kind = split_name(name)
+        if stem in QUANTIZED_PROJECTIONS and kind == "weight":
+            continue
+        if quant.quantize_lm_head and (stem == "lm_head" or (stem == "vocab_embedding" and model.tie_word_embeddings
+                                                             and quant.mode in calibrated.SHARED_TABLE)):
+            continue
+        total += math.prod(shape) * compute
+    if quant.quantize_lm_head:
+        total += calibrated.stored_bytes(quant.mode, model.vocab_size, h, quant.group_size)
+        if model.tie_word_embeddings and quant.mode == "int4_awq":  # GatherBlockQuantized's copy of the scales
+            total += model.vocab_size * (h // quant.group_size) * compute
     return total
 
 

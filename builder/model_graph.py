@@ -28,6 +28,11 @@ gate_up / gate + up, down) is quantized at build (RTN, quantization/weight_only.
 plugins/linear.py; the gated MLP is then composed here from those projections, since plugins/gated_mlp.py takes
 float weights. Embeddings and lm_head stay float32 unless quantize_lm_head; a tied embedding then shares the
 lm_head's packed table (GatherBlockQuantized + MatMulNBits over one initializer).
+
+Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's quantized projections laid over the
+checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py; with quantize_lm_head a
+tied embedding reads the quantized lm_head's table (calibrated_gather), stored once; not under fp8 (ONNX Gather
+takes no float8 tensor), where the float32 embedding stays next to the fp8 lm_head.
 """
 from __future__ import annotations
 
@@ -42,10 +47,12 @@ from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 from engine.plugins.attention import paged_attention, write_kv
+from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
 from engine.plugins.gated_mlp import _activation, gated_mlp
 from engine.plugins.linear import linear, quantized_gather, quantized_linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
+from engine.quantization.calibrated import CALIBRATED, SHARED_TABLE
 from engine.quantization.weight_only import BITS, WeightOnlyScheme, quantize
 
 from .graph import MS_DOMAIN, Graph
@@ -58,7 +65,9 @@ class _Builder:
                  tp: int, quant: QuantConfig):
         self.m, self.t, self.b, self.p, self.tp, self.q = model, tensors, build, plugins, tp, quant
         self.scheme = (WeightOnlyScheme(BITS[quant.mode], quant.group_size, quant.accuracy_level)
-                       if quant.mode is not None else None)
+                       if quant.mode in BITS else None)
+        # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales
+        self.calibrated = quant.mode in CALIBRATED
         self.g = Graph()
         self.heads = model.num_heads // tp
         self.kv_heads = kv_heads_per_rank(model, tp)
@@ -75,6 +84,11 @@ class _Builder:
 
     def proj(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None) -> str:
         """A projection of the layers: float32 MatMul, or quantized with the build's scheme."""
+        if self.calibrated:
+            w = self.t.pop_calibrated(weight_name, self.q.mode, self.q.group_size)
+            return calibrated_linear(self.g, x, w, bias, name=name, weight_name=weight_name,
+                                     plugin=self.p.weight_only_quant_matmul_plugin,
+                                     accuracy_level=self.q.accuracy_level or 0)
         return linear(self.g, x, self.take(weight_name), bias, name=name, weight_name=weight_name,
                       scheme=self.scheme, plugin=self.p.weight_only_quant_matmul_plugin)
 
@@ -85,7 +99,7 @@ class _Builder:
             else:                x ─proj gate─▶ act ─┐ x ─proj up─▶ Mul ─▶ proj down
         """
         m, p, g = self.m, self.p, self.g
-        if self.scheme is None:
+        if self.scheme is None and not self.calibrated:
             return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
                              m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin)
         op = g.scope(name)
@@ -93,6 +107,13 @@ class _Builder:
         if p.gemm_swiglu_plugin:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             gate, up = op("Split", [fused, g.const([m.intermediate_size // self.tp] * 2)], outputs=2, axis=-1)
+        elif self.calibrated:
+            fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
+            half = fused.shape[0] // 2
+            gate, up = (calibrated_linear(g, x, part, None, name=f"{name}/{what}_proj",
+                                          weight_name=w + f"mlp.{what}.weight", plugin=plugin,
+                                          accuracy_level=self.q.accuracy_level or 0)
+                        for what, part in (("gate", fused.rows(0, half)), ("up", fused.rows(half, 2 * half))))
         else:
             gate_up = self.take(w + "mlp.gate_up.weight")
             half = gate_up.shape[0] // 2
@@ -167,21 +188,31 @@ class _Builder:
                                           plugin=p.rmsnorm_plugin)
         bias = self.take(w + "attention.qkv.bias") if m.qkv_bias else None
         qkv = self.proj(normed, w + "attention.qkv.weight", f"{pre}/attn/qkv_proj", bias)
-        q, k, v = g.node("Split", [qkv, g.const([q_size, kv_size, kv_size])], name=f"{pre}/attn/qkv_split/Split",
-                         outputs=3, axis=-1)
+        kind = m.layer_type(i)
+        cos, sin = rope[kind]
         if m.qk_norm:
+            q, k, v = g.node("Split", [qkv, g.const([q_size, kv_size, kv_size])],
+                             name=f"{pre}/attn/qkv_split/Split", outputs=3, axis=-1)
             q = rms_norm(g, q, self.norm_weight(w + "attention.q_norm.weight"), m.norm_eps,
                          name=f"{pre}/attn/q_norm", weight_name=w + "attention.q_norm.weight",
                          plugin=p.rmsnorm_plugin)
             k = rms_norm(g, k, self.norm_weight(w + "attention.k_norm.weight"), m.norm_eps,
                          name=f"{pre}/attn/k_norm", weight_name=w + "attention.k_norm.weight",
                          plugin=p.rmsnorm_plugin)
-        kind = m.layer_type(i)
-        cos, sin = rope[kind]
-        q = rotary(g, q, ec.POSITIONS, cos, sin, num_heads=self.heads, head_dim=hd, name=f"{pre}/attn/q_rotary",
-                   plugin=p.rotary_plugin)
-        k = rotary(g, k, ec.POSITIONS, cos, sin, num_heads=self.kv_heads, head_dim=hd,
-                   name=f"{pre}/attn/k_rotary", plugin=p.rotary_plugin)
+            q = rotary(g, q, ec.POSITIONS, cos, sin, num_heads=self.heads, head_dim=hd,
+                       name=f"{pre}/attn/q_rotary", plugin=p.rotary_plugin)
+            k = rotary(g, k, ec.POSITIONS, cos, sin, num_heads=self.kv_heads, head_dim=hd,
+                       name=f"{pre}/attn/k_rotary", plugin=p.rotary_plugin)
+        else:
+            # Rotate q and k as one tensor of heads + kv_heads heads: a position's angles are the same for every
+            # head, and one rotary node instead of two saves 2 of the ~26 nodes of a layer (decode at batch 1
+            # is bound by per-node overhead: bench/NOTES.md).
+            qk, v = g.node("Split", [qkv, g.const([q_size + kv_size, kv_size])],
+                           name=f"{pre}/attn/qkv_split/Split", outputs=2, axis=-1)
+            qk = rotary(g, qk, ec.POSITIONS, cos, sin, num_heads=self.heads + self.kv_heads, head_dim=hd,
+                        name=f"{pre}/attn/qk_rotary", plugin=p.rotary_plugin)
+            q, k = g.node("Split", [qk, g.const([q_size, kv_size])], name=f"{pre}/attn/qk_split/Split",
+                          outputs=2, axis=-1)
         kc = self.cache_output(write_kv(g, ec.kcache_name(i), ec.SLOT_MAPPING, k, name=f"{pre}/attn/k_cache"),
                                ec.kcache_out_name(i), kv_size)
         vc = self.cache_output(write_kv(g, ec.vcache_name(i), ec.SLOT_MAPPING, v, name=f"{pre}/attn/v_cache"),
@@ -214,8 +245,13 @@ class _Builder:
         self.inputs()
         tied = m.tie_word_embeddings and self.tp == 1 and "lm_head.weight" not in self.t
         embedding = self.take("vocab_embedding.weight")
-        shared_table = None
-        if tied and self.q.quantize_lm_head and self.scheme is not None:
+        shared_table = shared_calibrated = None
+        if self.calibrated and self.q.quantize_lm_head and m.tie_word_embeddings and self.q.mode in SHARED_TABLE:
+            # the embedding reads the quantized lm_head's table (stored once); the float embedding is dropped
+            shared_calibrated = self.t.pop_calibrated("lm_head.weight", self.q.mode, self.q.group_size)
+            hidden = calibrated_gather(g, shared_calibrated, ec.INPUT_IDS, name="/model/embed_tokens",
+                                       weight_name="lm_head.weight", plugin=self.p.weight_only_quant_matmul_plugin)
+        elif tied and self.q.quantize_lm_head and self.scheme is not None:
             shared_table = quantize(embedding, self.scheme, name="vocab_embedding.weight")
             hidden = quantized_gather(g, shared_table, ec.INPUT_IDS, name="/model/embed_tokens",
                                       weight_name="vocab_embedding.weight",
@@ -245,6 +281,12 @@ class _Builder:
         elif tied:
             # Gemm reads the embedding [V, H] transposed in place: the tied weight is stored once, not twice.
             logits = g.node("Gemm", [normed, "vocab_embedding.weight"], name="/lm_head/Gemm", transB=1)
+        elif shared_calibrated is not None:
+            logits = calibrated_linear(g, normed, shared_calibrated, None, name="/lm_head", weight_name="lm_head.weight",
+                                       plugin=self.p.weight_only_quant_matmul_plugin,
+                                       accuracy_level=self.q.accuracy_level or 0, shared=True)
+        elif self.calibrated and self.q.quantize_lm_head:
+            logits = self.proj(normed, "lm_head.weight", "/lm_head")
         else:
             logits = linear(g, normed, self.take("lm_head.weight"), None, name="/lm_head",
                             weight_name="lm_head.weight", scheme=lm_scheme,

@@ -4,6 +4,7 @@ Exit status: 0 ok, 1 failure (bad input files, a full disk, a failed build), 2 u
 """
 from __future__ import annotations
 
+import errno
 import sys
 import traceback
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from rich.markup import escape
 
 from engine.core.errors import EngineError
 
-from . import build, convert, inspect
+from . import bench, build, convert, inspect
 from . import eval as eval_
-from . import run
+from . import config_file, pack, run
 from . import serve
+from . import verify
 
 # typer >= 0.29 vendors click (its ClickException derives from typer.TyperException); older typer uses click's.
 _CLICK_ERRORS = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
@@ -59,9 +61,13 @@ def _global(
 app.command("convert", no_args_is_help=True)(convert.convert_command)
 app.command("build", no_args_is_help=True)(build.build_command)
 app.command("inspect", no_args_is_help=True)(inspect.inspect_command)
+app.command("verify", no_args_is_help=True)(verify.verify_command)
+app.command("pack", no_args_is_help=True)(pack.pack_command)
+app.command("unpack", no_args_is_help=True)(pack.unpack_command)
 app.command("run", no_args_is_help=True)(run.run_command)
 app.command("eval", no_args_is_help=True)(eval_.eval_command)
 app.command("serve", no_args_is_help=True)(serve.serve_command)
+app.command("bench", no_args_is_help=True)(bench.bench_command)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,15 +86,35 @@ def main(argv: list[str] | None = None) -> None:
         else:  # a bad command line (unknown option, a value of the wrong type): one line, like EngineError
             ctx = getattr(e, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-            _print_error(e.format_message() + hint)
+            _print_error(e.format_message() + config_file.origin(e) + hint)
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         _print_error("interrupted")
         sys.exit(130)
+    except (OSError, MemoryError) as e:  # the machine, not the input: a full disk outside an output directory
+        if session.verbose:
+            traceback.print_exc()
+        _print_error(_environment_error(e))
+        sys.exit(1)
     rc = rc if isinstance(rc, int) else 0
     if rc == 130:  # typer turns Ctrl-C inside a command into exit status 130, after the command cleaned up
         _print_error("interrupted")
     sys.exit(rc)
+
+
+def _environment_error(e: BaseException) -> str:
+    """One line for an OSError or MemoryError that reached the boundary (outputs word their own, see
+    core/artifacts.atomic_output_dir): a disk full while a library wrote its temporary or cache files, no
+    usable temporary directory (Python's tempfile tries each and fails on a full disk), memory exhausted."""
+    if isinstance(e, MemoryError):
+        return "out of memory; free memory, or use a smaller model, batch or KV cache (--kv-cache-mem-fraction)"
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"no space left on the disk: {e.strerror}{where}; free disk space (or set TMPDIR to a disk with room)"
+    if "No usable temporary directory" in str(e):
+        return f"{e.strerror or e}: no temporary directory can be written (a full disk?); free disk space or set " \
+               "TMPDIR to a writable directory"
+    return f"{e.strerror or e}{where}; run with --verbose for the traceback"
 
 
 def _print_error(message: str) -> None:

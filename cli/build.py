@@ -1,6 +1,7 @@
 """`engine build`: a checkpoint directory -> an engine directory (flags named as TensorRT-LLM's trtllm-build)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +12,10 @@ from rich.table import Table
 
 from engine.core.errors import EngineError
 
+from .config_file import CONFIG, recorded_flags
+from .json_output import JSON, NO_PROGRESS, print_json
 from .progress import progress_bar
+from .results import engine_result
 
 SWITCH = "enable|disable"
 
@@ -23,6 +27,8 @@ def _switch(flag: str, value: str) -> bool:
 
 
 def build_command(
+    ctx: typer.Context,
+    config_file: Optional[Path] = CONFIG,
     checkpoint_dir: Path = typer.Option(..., "--checkpoint-dir", help="Checkpoint directory made by `engine convert`."),
     output_dir: Path = typer.Option(..., "--output-dir", help="Engine directory to create."),
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Most sequences in one step (sequences)."),
@@ -39,7 +45,8 @@ def build_command(
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32; float16/bfloat16 are accepted and "
                               "computed in float32 on ONNX Runtime CPU (see `engine inspect`). Quantized modes "
                               "(TensorRT-LLM names): int8_wo, int4_wo (weight-only RTN, quantized at build); "
-                              "int4_awq, int8_sq, fp8 are not implemented yet."),
+                              "int8_sq (SmoothQuant W8A8), fp8 (E4M3 Q/DQ, emulated on CPU), int4_awq (AWQ), "
+                              "calibrated at build with NVIDIA ModelOpt (the `quantization` extra)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Weight-only: input features sharing one "
                                              "scale (16, 32, 64, 128, 256; must divide every quantized weight's in "
                                              "features).", show_default="int4_wo 32; int8_wo the largest that fits"),
@@ -48,6 +55,13 @@ def build_command(
     quant_accuracy_level: Optional[int] = typer.Option(None, "--quant-accuracy-level", help="MatMulNBits "
                                                        "accuracy_level: 0 float32 compute (true weight-only), 4 int8 "
                                                        "activations per block (fast).", show_default="4"),
+    calib_data: Optional[Path] = typer.Option(None, "--calib-data", help="int8_sq, fp8, int4_awq: calibration text "
+                                              "(.txt, or .jsonl with a \"text\" field per line).",
+                                              show_default="text sampled from the unquantized model itself (seeded)"),
+    calib_size: Optional[int] = typer.Option(None, "--calib-size", help="int8_sq, fp8, int4_awq: calibration "
+                                             "sequences.", show_default="512"),
+    calib_max_seq_len: Optional[int] = typer.Option(None, "--calib-max-seq-len", help="int8_sq, fp8, int4_awq: "
+                                                    "tokens per calibration sequence.", show_default="512"),
     eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Quantized builds: held-out text file for "
                                              "the accuracy report.", show_default="text sampled from the unquantized "
                                              "model itself (seeded)"),
@@ -85,6 +99,8 @@ def build_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Check the flags and print the memory plan; build "
                                  "nothing."),
     force: bool = typer.Option(False, "--force", help="Replace --output-dir if it exists."),
+    as_json: bool = JSON,
+    no_progress: bool = NO_PROGRESS,
 ):
     """Build an engine: one optimized ONNX graph per rank, config.json with the memory plan, tokenizer files."""
     from engine.builder.build import build_engine, check_build_config, resolve_backend
@@ -94,6 +110,7 @@ def build_command(
     from engine.core.engine_config import BuildConfig, PluginConfig
     from engine.quantization import modes
     from engine.quantization.accuracy import AccuracyOptions
+    from engine.quantization.calibrate import CalibrationOptions
 
     if workers < 1:
         raise EngineError(f"--workers {workers} must be at least 1", usage=True)
@@ -109,7 +126,18 @@ def build_command(
                          or max_ppl_increase is not None or eval_data is not None):
         raise EngineError(f"--group-size, --quantize-lm-head, --quant-accuracy-level, --eval-data and "
                           f"--max-ppl-increase apply to quantized builds; --dtype {dtype} is not one: pass "
-                          f"--dtype {' or '.join(modes.WEIGHT_ONLY)}", usage=True)
+                          f"--dtype {' or '.join(modes.IMPLEMENTED)}", usage=True)
+    calib_flags = {"--calib-data": calib_data, "--calib-size": calib_size, "--calib-max-seq-len": calib_max_seq_len}
+    given = [flag for flag, value in calib_flags.items() if value is not None]
+    if given and mode not in modes.CALIBRATED:
+        raise EngineError(f"{', '.join(given)} apply to calibrated builds (--dtype {', '.join(modes.CALIBRATED)}); "
+                          f"--dtype {dtype} is not one: leave them out", usage=True)
+    if calib_data is not None and not calib_data.is_file():
+        raise EngineError(f"--calib-data {calib_data} is not a file; pass a UTF-8 .txt or .jsonl file", usage=True)
+    defaults = CalibrationOptions()
+    calibration = CalibrationOptions(data=calib_data, size=defaults.size if calib_size is None else calib_size,
+                                     max_seq_len=defaults.max_seq_len if calib_max_seq_len is None
+                                     else calib_max_seq_len)
     if eval_data is not None and not eval_data.is_file():
         raise EngineError(f"--eval-data {eval_data} is not a file; pass a UTF-8 text file", usage=True)
     accuracy = AccuracyOptions(eval_data=eval_data, max_ppl_increase=max_ppl_increase, eval_tokens=eval_tokens)
@@ -137,16 +165,25 @@ def build_command(
         table = Table(title=f"memory plan of {ckpt.model.architecture}, tp {build.tp_size} (dry run: nothing built)")
         table.add_column("item")
         table.add_column("size", justify="right")
-        for item, size in plan_rows(memory_plan(ckpt.model, build, quant), build):
+        rows = plan_rows(memory_plan(ckpt.model, build, quant), build)
+        if as_json:
+            print_json("build", {"dry_run": True, "build": build, "memory_plan": dict(rows)})
+            return
+        for item, size in rows:
             table.add_row(item, size)
         console.print(table)
         return
-    with progress_bar("building", total=build.tp_size) as step:
+    start = time.perf_counter()
+    with progress_bar("building", total=build.tp_size, enabled=not (no_progress or as_json)) as step:
         config = build_engine(checkpoint_dir, output_dir, build, plugins, force=force, workers=workers,
-                              progress=step, quant=quant, accuracy=accuracy, trt=trt)
+                              progress=step, quant=quant, accuracy=accuracy, trt=trt, calibration=calibration,
+                              build_flags={**recorded_flags(ctx), "backend": backend})  # auto, resolved
     note = config.precision.get("note")
     if note:
         Console(stderr=True, soft_wrap=True).print(f"[yellow]note:[/] {escape(note)}")
+    if as_json:
+        print_json("build", {**engine_result(output_dir, config), "seconds": round(time.perf_counter() - start, 3)})
+        return
     report = config.quantization.accuracy
     if "quantized_ppl" in report:
         Console(highlight=False, soft_wrap=True).print(

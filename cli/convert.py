@@ -5,6 +5,7 @@ Flag values are checked (ConvertConfig) before any file is read, so a typo fails
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,9 @@ from rich.markup import escape
 from engine.core.config import DTYPES
 from engine.core.errors import EngineError
 
+from .json_output import JSON, NO_PROGRESS, print_json
 from .progress import progress_bar
+from .results import checkpoint_result
 
 
 def convert_command(
@@ -32,6 +35,8 @@ def convert_command(
     dtype: str = typer.Option("auto", "--dtype", help=f"Weight dtype: auto (keep the model's), {', '.join(DTYPES)}."),
     force: bool = typer.Option(False, "--force", show_default="off",
                                help="Replace --output-dir if it exists (only once the new checkpoint is complete)."),
+    as_json: bool = JSON,
+    no_progress: bool = NO_PROGRESS,
 ):
     """Convert a model into an engine checkpoint: canonical tensor names, TP shards, config.json, tokenizer."""
     from engine.recipes.convert import ConvertConfig, convert
@@ -47,8 +52,12 @@ def convert_command(
         else:
             from engine.recipes.gguf_source import GGUFSource
             source = stack.enter_context(GGUFSource(gguf))  # removes the tokenizer files it extracted
-        with progress_bar("converting", total=len(source.names()) * tp) as step:
+        start = time.perf_counter()
+        with progress_bar("converting", total=len(source.names()) * tp, enabled=not (no_progress or as_json)) as step:
             ckpt = convert(source, cfg, progress=step)
+    if as_json:
+        print_json("convert", {**checkpoint_result(output_dir, ckpt), "seconds": round(time.perf_counter() - start, 3)})
+        return
     m = ckpt.model
     Console(highlight=False, soft_wrap=True).print(
         f"[green]converted[/] {m.architecture} ({m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}) "

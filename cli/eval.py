@@ -1,7 +1,6 @@
 """`engine eval`: perplexity of any engine on a text file (runtime/perplexity.py does the scoring)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +9,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from engine.core.errors import EngineError
+
+from .json_output import JSON, print_json
 
 
 def eval_command(
@@ -20,7 +21,7 @@ def eval_command(
                                          "max_num_tokens and max_seq_len"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Score at most this many tokens of the file "
                                              "(tokens).", show_default="all"),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    as_json: bool = JSON,
 ):
     """Report the perplexity of an engine on a text file: exp of the mean negative log-likelihood of every token
     given the tokens before it in its window."""
@@ -49,8 +50,9 @@ def eval_command(
     result = perplexity(engine_dir, windows)
     seconds = time.perf_counter() - start
     if as_json:
-        typer.echo(json.dumps({"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens,
-                               "windows": result.windows, "window": window, "seconds": round(seconds, 3)}))
+        print_json("eval", {"engine_dir": str(engine_dir), "data": str(data), "perplexity": result.perplexity,
+                            "nll": result.nll, "tokens": result.tokens, "windows": result.windows, "window": window,
+                            "seconds": round(seconds, 3)})
         return
     Console(highlight=False, soft_wrap=True).print(
         f"perplexity {result.perplexity:.4f} (mean NLL {result.nll:.4f} nats) over {result.tokens} tokens in "

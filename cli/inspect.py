@@ -11,6 +11,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from engine.core.errors import EngineError
+from engine.core.manifest import digest_file
+
+from .json_output import JSON, print_json
+from .results import engine_result
 
 
 def _table(title: str, rows) -> Table:
@@ -28,12 +32,13 @@ def _fields(obj) -> list[tuple[str, object]]:
 
 def inspect_command(
     engine_dir: Path = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build`."),
+    as_json: bool = JSON,
 ):
     """Show an engine's model and build configs, versions, memory plan, precision and graph op counts."""
     from engine.builder.memory import plan_rows
     from engine.builder.onnxruntime_backend import op_counts
     from engine.core.artifacts import check_format
-    from engine.core.engine_config import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, EngineConfig, engine_file
+    from engine.core.engine_config import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, EngineConfig, rank_files
     from engine.core.serde import from_json, read_json
     from engine.runtime.engine_dir import REBUILD, backend_version, load_engine_config, toolchain_version
 
@@ -43,11 +48,20 @@ def inspect_command(
     data = read_json(path)
     check_format(data, path, ENGINE_FORMAT, ENGINE_FORMAT_VERSION, REBUILD.format(dir=engine_dir))
     config = from_json(EngineConfig, data, where=str(path))
+    why_not = None
     try:
         load_engine_config(engine_dir)
         loadable = "[green]yes[/]"
     except EngineError as e:  # inspect still shows an engine this installation cannot run, and why
-        loadable = f"[red]no[/]: {escape(str(e))}"
+        why_not = str(e)
+        loadable = f"[red]no[/]: {escape(why_not)}"
+    if as_json:
+        counts = {f: op_counts(Path(engine_dir) / f) for r in range(config.mapping.world_size)
+                  for f in rank_files(r, config.build.backend, config.mapping.tp_size, config.model.num_layers)
+                  if f.endswith(".onnx") and (Path(engine_dir) / f).is_file()}
+        print_json("inspect", {**engine_result(engine_dir, config), "runs_here": why_not is None, "why_not": why_not,
+                               "config": config, "op_counts": counts})
+        return
     console = Console()
     console.print(_table("model", _fields(config.model)))
     console.print(_table("build", _fields(config.build) + _fields(config.mapping)))
@@ -57,24 +71,36 @@ def inspect_command(
         ("format", f"{config.format} {config.format_version}"),
         ("built by", f"engine {config.toolchain_version}, {b} {config.backend_version}"),
         ("installed", f"engine {toolchain_version()}, {b} {backend_version(b) or '(not installed)'}"),
-        ("runs here", loadable)]))
+        ("runs here", loadable),
+        ("digest", digest_file(path)),
+        ("checkpoint digest", config.manifest.checkpoint_digest or "(none)"),
+        ("source digest", config.manifest.source_digest or "(none)")]))
     console.print(_table("precision", config.precision.items()))
     q = config.quantization
     if q.mode is not None:
         rows = [("mode", q.mode), ("group size", q.group_size), ("lm_head quantized", q.quantize_lm_head),
                 ("MatMulNBits accuracy_level", q.accuracy_level)]
+        rows += [(f"calibration: {k}", v) for k, v in q.calibration.items()]
         rows += [(f"accuracy: {k}", v) for k, v in q.accuracy.items()] or [("accuracy", "(not measured)")]
         console.print(_table("quantization", rows))
     console.print(_table("memory plan", plan_rows(config.memory, config.build)))
     for rank in range(config.mapping.world_size):
-        onnx_path = Path(engine_dir) / engine_file(rank)
-        if not onnx_path.is_file():
-            console.print(f"[red]{engine_file(rank)} is missing[/]")
+        # tp > 1: the rank's segment graphs (cut at the all-reduces), counted together
+        files = rank_files(rank, b, config.mapping.tp_size, config.model.num_layers)
+        paths = [Path(engine_dir) / f for f in files]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            console.print(f"[red]{', '.join(missing[:3])} {'is' if len(missing) == 1 else 'are'} missing[/]")
             continue
-        counts = op_counts(onnx_path)
-        data_file = onnx_path.with_name(onnx_path.name + ".data")
-        size = data_file.stat().st_size if data_file.is_file() else 0
-        table = Table(title=f"{engine_file(rank)}: {sum(counts.values())} nodes, weights {size / 2**20:.1f} MiB",
+        counts, size = {}, 0
+        for onnx_path in paths:
+            for op, n in op_counts(onnx_path).items():
+                counts[op] = counts.get(op, 0) + n
+            data_file = onnx_path.with_name(onnx_path.name + ".data")
+            size += data_file.stat().st_size if data_file.is_file() else 0
+        counts = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        name = files[0] if len(files) == 1 else f"rank{rank} ({len(files)} segments)"
+        table = Table(title=f"{name}: {sum(counts.values())} nodes, weights {size / 2**20:.1f} MiB",
                       title_justify="left")
         table.add_column("op type")
         table.add_column("count", justify="right")

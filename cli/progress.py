@@ -20,11 +20,12 @@ def _interactive(console: Console) -> bool:
 
 
 @contextlib.contextmanager
-def progress_bar(description: str, total: int) -> Iterator[Callable[[str], None]]:
-    """Yield a callback that advances the bar by one step and shows the item's name; the bar vanishes at the end."""
+def progress_bar(description: str, total: int, *, enabled: bool = True) -> Iterator[Callable[[str], None]]:
+    """Yield a callback that advances the bar by one step and shows the item's name; the bar vanishes at the end.
+    `enabled=False` (--no-progress, --json) keeps it off even on a terminal."""
     console = Console(file=sys.stderr)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[item]}", style="dim", markup=False), console=console, transient=True,
-                  disable=not _interactive(console)) as bar:
+                  disable=not (enabled and _interactive(console))) as bar:
         task = bar.add_task(description, total=total, item="")
         yield lambda item: bar.update(task, advance=1, item=item)

@@ -28,6 +28,7 @@ from rich.table import Table
 from engine.core.errors import EngineError
 
 from . import options
+from .distributed import distributed_from_env, serve_rank_if_worker
 
 
 def run_command(
@@ -67,6 +68,7 @@ def run_command(
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
     max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
     threads: Optional[int] = options.THREADS,
+    tp_timeout: float = options.TP_TIMEOUT,
     kv_cache_memory_bytes: Optional[str] = typer.Option(None, "--kv-cache-memory-bytes", help="KV cache size in "
                                                         "bytes, e.g. 536870912, 512MiB or 2GB; overrides "
                                                         "--kv-cache-mem-fraction (default: none)."),
@@ -104,12 +106,15 @@ def run_command(
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
         max_tokens=max_output_len, stop=tuple(stop or ()),
         stop_token_ids=() if end_id is None else (end_id,), ignore_eos=end_id is not None)
+    distributed = distributed_from_env(tp_timeout)
+    if serve_rank_if_worker(engine_dir, distributed, threads):  # torchrun-style rank > 0: no prompts, no output
+        return
     err = Console(stderr=True, highlight=False)
     _log_warnings_to(err)
     llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
               threads=threads, kv_cache_memory_bytes=_parse_bytes(kv_cache_memory_bytes),
               enable_prefix_caching=prefix_caching, scheduling_policy=scheduling_policy,
-              max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
+              max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, distributed=distributed)
     inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if chat and isinstance(p, str) else p
               for p in prompts]
     start = time.monotonic()

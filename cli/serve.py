@@ -3,7 +3,8 @@
     engine serve --engine-dir ENGINE --served-model-name smollm2 --port 8000 [--api-key KEY | ENGINE_API_KEY]
 
 Binds 127.0.0.1 unless --host says otherwise. /health answers 200 once the engine is loaded and warmed. SIGTERM
-or Ctrl-C stops admission and lets requests in flight finish for up to --shutdown-timeout seconds. The server
+or Ctrl-C stops admission and lets requests in flight finish for up to --shutdown-timeout seconds; with
+--state-dir it saves them instead and exits at once, and the next server on that directory resumes them. The server
 itself is runtime/server.py; this module only parses flags, reads ENGINE_API_KEY and configures logging.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import typer
 from engine.core.errors import EngineError
 
 from . import options
+from .distributed import StopOnRankFailure, distributed_from_env, serve_rank_if_worker
 
 
 def serve_command(
@@ -37,9 +39,21 @@ def serve_command(
                                           "field orders the queue, lower first)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds requests in flight get to "
                                            "finish after SIGTERM before they are aborted (default 30)."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Directory for checkpoints of the requests "
+                                             "in flight (written atomically every --state-checkpoint-interval "
+                                             "seconds and on SIGTERM); a server restarted on it resumes them and "
+                                             "clients reconnect with GET /v1/requests/ID/stream. SIGTERM then "
+                                             "saves and exits at once instead of draining (default: off)."),
+    state_checkpoint_interval: float = typer.Option(30.0, "--state-checkpoint-interval", help="Seconds between "
+                                                    "state checkpoints with --state-dir (default 30)."),
+    state_result_ttl: float = typer.Option(600.0, "--state-result-ttl", help="Seconds a resumed response is "
+                                           "kept for its client after it finished (default 600)."),
+    max_body_bytes: int = typer.Option(4 * 2**20, "--max-body-bytes", help="Largest request body accepted; "
+                                       "larger ones are answered 413 (bytes, default 4194304 = 4 MiB)."),
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
     max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
     threads: Optional[int] = options.THREADS,
+    tp_timeout: float = options.TP_TIMEOUT,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error (default info)."),
 ):
     """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""
@@ -56,12 +70,26 @@ def serve_command(
         raise EngineError("--api-key is empty; give a key or leave the flag (and ENGINE_API_KEY) out", usage=True)
     config = ServerConfig(engine_dir=engine_dir, served_model_name=served_model_name or engine_dir.resolve().name,
                           host=host, port=port, api_key=api_key, max_queue=max_queue,
-                          scheduling_policy=scheduling_policy, shutdown_timeout=shutdown_timeout)
+                          scheduling_policy=scheduling_policy, shutdown_timeout=shutdown_timeout,
+                          max_body_bytes=max_body_bytes,
+                          state_dir=state_dir, state_checkpoint_interval=state_checkpoint_interval,
+                          state_result_ttl=state_result_ttl)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    app = create_app(config, load=lambda: LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction,
-                                              max_kv_tokens=max_kv_tokens, threads=threads,
-                                              scheduling_policy=scheduling_policy))
+    distributed = distributed_from_env(tp_timeout)
+    if serve_rank_if_worker(engine_dir, distributed, threads):  # torchrun-style rank > 0: rank 0 serves
+        return 0
+    rank_failure = StopOnRankFailure()
+
+    def load():
+        llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
+                  threads=threads, scheduling_policy=scheduling_policy, distributed=distributed)
+        rank_failure.attach(llm)
+        return llm
+
+    app = create_app(config, load=load)
     rc = run_server(app, config, log_level=log_level)
+    if rank_failure.message is not None:
+        raise EngineError(rank_failure.message)
     if rc:
         raise EngineError(f"the engine in {engine_dir} failed to load: {app.state.server.load_error}")
     return rc

@@ -58,6 +58,10 @@ class ModelConfig:
     local_rope: RopeConfig | None = None  # Gemma3: rotary of the sliding layers, when it differs
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise EngineError(f"{name} {getattr(self, name)} must be at least 1")
         if self.activation not in ACTIVATIONS:
             raise EngineError(f"activation {self.activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         if self.num_heads % self.num_kv_heads:
@@ -97,13 +101,15 @@ class QuantConfig:
 
     Weight-only modes (quantization/modes.py): `group_size` input features share one scale; `quantize_lm_head`
     also quantizes lm_head (and, when tied, the embedding table that shares it); `accuracy_level` is ORT
-    MatMulNBits' compute mode; `accuracy` is the build's perplexity report (quantization/accuracy.py)."""
+    MatMulNBits' compute mode; `accuracy` is the build's perplexity report (quantization/accuracy.py); `calibration`
+    records the data of ModelOpt-calibrated modes (quantization/calibrate.py)."""
     mode: str | None = None
     kv_cache_dtype: str | None = None
     group_size: int | None = None
     quantize_lm_head: bool = False
     accuracy_level: int | None = None
     accuracy: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)  # calibrated modes: the calibration data used
 
 
 @dataclass(frozen=True)

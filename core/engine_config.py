@@ -1,9 +1,11 @@
 """config.json of an engine directory, and the engine's graph interface (shared by builder/ and runtime/).
 
 One call per scheduler step, packed tokens with no padding (vLLM style), so a call can mix prefills, chunked
-prefills and decodes. T packed tokens of B sequences; sequence b owns q_len[b] consecutive packed tokens and
-has ctx_len[b] tokens of context (those already in the pool plus its new ones). The KV pool of each layer is a
-runtime-owned array bound as both input and output (IOBinding), updated in place by ScatterND:
+prefills and decodes. T packed tokens of S sequences; sequence s owns q_len[s] consecutive packed tokens and
+has ctx_len[s] tokens of context (those already in the pool plus its new ones). Attention runs on B rows, each
+at most Qmax consecutive new tokens of one sequence (runtime/step_inputs.py cuts long chunks beside short ones).
+The KV pool of each layer is a runtime-owned array bound as both input and output (IOBinding), updated in place
+by ScatterND:
 
     kcache.{i} / vcache.{i}  [num_slots, kv_heads_per_rank * head_dim]   slot = block_id * tokens_per_block + offset
 
@@ -11,9 +13,9 @@ Graph inputs (int64 unless noted)                      shape
     input_ids          token ids, packed                    [T]
     positions          position of each token in its sequence [T]
     slot_mapping       pool slot where each token's new K/V is written  [T]
-    q_index            packed index of query j of sequence b (pad: 0)   [B, Qmax]
-    kv_slots           pool slot of context token l of sequence b (pad: 0)  [B, Lmax]
-    attn_mask          bool, query j of b may see key l (causal, l < ctx_len[b])  [B, 1, Qmax, Lmax]
+    q_index            packed index of query j of attention row b (pad: 0)  [B, Qmax]
+    kv_slots           pool slot of context token l of row b (pad: 0)  [B, Lmax]
+    attn_mask          bool, query j of row b may see key l (causal within its sequence)  [B, 1, Qmax, Lmax]
     attn_mask_sliding  bool, as attn_mask and within the sliding window (only when the model has sliding layers)
     out_index          for packed token t: its flat index b * Qmax + j in the [B, Qmax] attention output  [T]
     logits_indices     packed indices of the tokens whose logits are wanted  [S]
@@ -22,15 +24,23 @@ Graph outputs
     logits             float32 [S, vocab_size_padded / tp] (tp == 1: the real vocabulary may still be padded; the
                        runtime slices [:vocab_size])
     kcache_out.{i}, vcache_out.{i}  the updated pools, bound to the same buffers as the inputs
+
+Tensor parallelism (tp > 1, onnxruntime): each rank's graph is cut at its all-reduce points (after o_proj and after
+mlp down of every layer) into 2 * num_layers + 1 segment graphs rank{r}.seg{k:03d}.onnx, so that the collectives run
+outside ONNX Runtime (runtime/tp/). Segment k < last ends with output allreduce.{k} (this rank's partial sum,
+[T, hidden_size]); the runtime sums it over the ranks in place and feeds it to segment k + 1 as input allreduce.{k}.
+Every other value that crosses segments (the residual stream) keeps its name. The step inputs and the pools of
+layer i are inputs of the segments that use them, as above; the last segment outputs this rank's logits columns.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .config import GenerationDefaults, Mapping, ModelConfig, QuantConfig
+from .manifest import Manifest
 
 ENGINE_FORMAT = "engine"
-ENGINE_FORMAT_VERSION = 1
+ENGINE_FORMAT_VERSION = 2  # 2: manifest (size and sha256 of every file, source and checkpoint digests), build_flags
 
 INPUT_IDS = "input_ids"
 POSITIONS = "positions"
@@ -62,6 +72,27 @@ def vcache_out_name(layer: int) -> str:
 
 def engine_file(rank: int, backend: str = "onnxruntime") -> str:
     return f"rank{rank}.engine" if backend == "tensorrt" else f"rank{rank}.onnx"
+
+
+def allreduce_name(segment: int) -> str:
+    """The value that segment `segment` of a tp > 1 engine outputs for the all-reduce (and the next one inputs)."""
+    return f"allreduce.{segment}"
+
+
+def num_segments(num_layers: int) -> int:
+    """Segment graphs per rank of a tp > 1 onnxruntime engine: two all-reduce points per layer cut it."""
+    return 2 * num_layers + 1
+
+
+def segment_file(rank: int, segment: int) -> str:
+    return f"rank{rank}.seg{segment:03d}.onnx"
+
+
+def rank_files(rank: int, backend: str, tp: int, num_layers: int) -> list[str]:
+    """The graph files of one rank: one engine, or the segment graphs of a tp > 1 onnxruntime engine."""
+    if backend == "onnxruntime" and tp > 1:
+        return [segment_file(rank, k) for k in range(num_segments(num_layers))]
+    return [engine_file(rank, backend)]
 
 
 @dataclass(frozen=True)
@@ -101,6 +132,9 @@ class MemoryPlan:
 class EngineConfig:
     model: ModelConfig
     build: BuildConfig
+    # every flag of `engine build` as resolved from --config and the command line (paths of the checkpoint and the
+    # output excepted); `engine build --config ENGINE/config.json` builds with them again. {} when built from Python
+    build_flags: dict = field(default_factory=dict)
     plugins: PluginConfig = field(default_factory=PluginConfig)
     mapping: Mapping = field(default_factory=Mapping)
     quantization: QuantConfig = field(default_factory=QuantConfig)
@@ -111,3 +145,4 @@ class EngineConfig:
     backend_version: str = ""
     format: str = ENGINE_FORMAT
     format_version: int = ENGINE_FORMAT_VERSION
+    manifest: Manifest = field(default_factory=Manifest)  # written last, when every other file is complete

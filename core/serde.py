@@ -1,8 +1,10 @@
 """Frozen dataclasses to and from JSON, without hand-written to_dict methods.
 
 `to_json` is dataclasses.asdict with tuples as lists; `from_json` builds a dataclass from a dict, recursing
-into nested dataclass fields, and refuses unknown or missing keys so a manifest written by another version is
-never half-understood.
+into nested dataclass fields and `tuple[X, ...]` of dataclasses, and refuses unknown or missing keys so a
+manifest written by another version is never half-understood. Every value is checked against its field's type
+(an integer field holding "2" or 2.5 is a corrupt file, refused naming the key, not a TypeError deep in a
+builder), and the dataclass's own checks (__post_init__) are reported with the file's name.
 """
 from __future__ import annotations
 
@@ -40,6 +42,54 @@ def _dataclass_in(tp: Any) -> type | None:
     return None
 
 
+def _item_dataclass(tp: Any) -> type | None:
+    """The dataclass X of a `tuple[X, ...]` field (a list of records in JSON), else None."""
+    if typing.get_origin(tp) is tuple:
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether `value` (as from_json converts it: lists are tuples) fits the field type `tp`; types this module
+    does not know pass."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if origin in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return isinstance(value, tuple) and (len(args) != 1 or all(_fits(v, args[0]) for v in value))
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, tp)
+    return True
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        return "a list"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "an object",
+             type(None): "null"}
+    return names.get(tp, "an object" if dataclasses.is_dataclass(tp) else getattr(tp, "__name__", str(tp)))
+
+
 def from_json(cls: type[T], data: dict, *, where: str) -> T:
     if not isinstance(data, dict):
         raise EngineError(f"{where}: expected an object, got {type(data).__name__}")
@@ -60,9 +110,18 @@ def from_json(cls: type[T], data: dict, *, where: str) -> T:
         if inner is not None and isinstance(value, dict):
             value = from_json(inner, value, where=f"{where}.{f.name}")
         elif isinstance(value, list):
-            value = tuple(value)
+            item = _item_dataclass(hints[f.name])
+            value = tuple(from_json(item, v, where=f"{where}.{f.name}[{i}]") if item is not None else v
+                          for i, v in enumerate(value))
+        if not _fits(value, hints[f.name]):
+            raise EngineError(f"{where}: {f.name} must be {_describe(hints[f.name])}, not "
+                              f"{json.dumps(data[f.name])[:80]}; the file is corrupt or was written by another "
+                              "version of engine — convert or build it again with this version")
         kwargs[f.name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except EngineError as e:  # the dataclass's own checks: say which file holds the bad value
+        raise EngineError(f"{where}: {e}; the file is corrupt — convert or build it again") from None
 
 
 def write_json(path: Path, obj: Any) -> None:

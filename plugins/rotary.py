@@ -6,7 +6,7 @@
 `rotary_tables` builds the cos/sin tables once per model (the caller stores them as initializers shared by all
 layers); `rotary` applies them. Positions index the tables, so a packed batch may mix sequences freely.
 Lowerings: `plugin=False` spells the formula in standard ops; `plugin=True` is one standard opset-23
-RotaryEmbedding node on the [1, T, heads*hd] view with position_ids [1, T] (3-5x the reference; ORT's contrib
+RotaryEmbedding node on the [T, 1, heads*hd] view with position_ids [T, 1] (3-5x the reference; ORT's contrib
 com.microsoft RotaryEmbedding measured the same, so the standard op wins: bench/plugins.py).
 """
 from __future__ import annotations
@@ -71,11 +71,13 @@ def rotary(g: Graph, x: str, positions: str, cos: str, sin: str, *, num_heads: i
     """x [T, num_heads*head_dim], positions [T] int64 -> rotated x, same shape."""
     op = g.scope(name)
     if plugin:
-        # One batch of T tokens: [1, T, hidden] with position_ids [1, T]; Unsqueeze/Squeeze are zero-copy views.
-        axis0 = g.const([0])
-        y = op("RotaryEmbedding", [op("Unsqueeze", [x, axis0]), cos, sin, op("Unsqueeze", [positions, axis0])],
+        # T batches of one token: [T, 1, hidden] with position_ids [T, 1]; Unsqueeze/Squeeze are zero-copy views.
+        # Not one batch [1, T, hidden]: ORT refuses a sequence longer than the cos/sin tables ("Updating cos_cache
+        # ... not supported"), and a step may pack more tokens (max_num_tokens) than a sequence holds.
+        axis1 = g.const([1])
+        y = op("RotaryEmbedding", [op("Unsqueeze", [x, axis1]), cos, sin, op("Unsqueeze", [positions, axis1])],
                num_heads=num_heads, interleaved=0)
-        return op("Squeeze", [y, axis0])
+        return op("Squeeze", [y, axis1])
     half = head_dim // 2
     heads = op("Reshape", [x, g.const([0, num_heads, head_dim])])               # [T, heads, hd]
     x1, x2 = op("Split", [heads, g.const([half, half])], outputs=2, axis=-1)    # [T, heads, hd/2] each

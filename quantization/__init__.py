@@ -1,6 +1,7 @@
 """Post-training quantization: the modes `engine build --dtype` accepts, their schemes and scales.
 
-Weight-only RTN (int8_wo, int4_wo) is implemented (weight_only.py); the calibrated ModelOpt modes are named in
-modes.py and refused until they are. Lowerings to graph ops live in plugins/linear.py. Knows canonical tensor
-names, not Hugging Face ones.
+Weight-only RTN (int8_wo, int4_wo): weight_only.py. Calibrated with NVIDIA ModelOpt at build (int8_sq, fp8,
+int4_awq): calibrate.py runs mtq.quantize on torch_model.py's canonical model and calibrated.py holds the scales;
+w4a8_awq, nvfp4 and KV-cache quantization are named in modes.py and refused. Lowerings to graph ops live in
+plugins/linear.py and plugins/calibrated_linear.py. Knows canonical tensor names, not Hugging Face ones.
 """

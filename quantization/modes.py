@@ -2,7 +2,11 @@
 
     int8_wo    W8A16 weight-only, RTN, one scale per group of input features (per-channel where ORT allows)
     int4_wo    W4A16 weight-only, RTN, group-wise (16..256; default 32)
-    int4_awq, w4a8_awq, int8_sq, fp8, nvfp4    ModelOpt-calibrated: named, refused until implemented
+    int8_sq    W8A8 SmoothQuant: per-channel int8 weights, int8 activations (dynamic, per tensor); ModelOpt-calibrated
+    fp8        E4M3 weights and activations, per-tensor scales (static activation scale); ModelOpt-calibrated
+    int4_awq   W4A16 AWQ: int4 weights per group (default 128, as ModelOpt; the largest that fits below it)
+    w4a8_awq, nvfp4    named, refused until implemented
+Calibrated modes (quantization/calibrate.py) build tp 1 onnxruntime engines.
 
 Group size of int8_wo. TensorRT-LLM's int8_wo is per-channel (one scale per output row). MatMulNBits takes
 block sizes 16..256 only (a power of two; 512 and K itself are refused by ORT 1.32's packer), and SmolLM2's in
@@ -28,29 +32,32 @@ from dataclasses import replace
 from engine.core.config import DTYPES, ModelConfig, QuantConfig, parse_dtype
 from engine.core.errors import EngineError
 
+from .calibrated import CALIBRATED
 from .weight_only import BITS, GROUP_SIZES, check_group_size
 
 WEIGHT_ONLY = tuple(BITS)
-PLANNED = ("int4_awq", "w4a8_awq", "int8_sq", "fp8", "nvfp4")
+IMPLEMENTED = WEIGHT_ONLY + CALIBRATED
+PLANNED = ("w4a8_awq", "nvfp4")
 # int4_wo: 32, GGUF's Q4 block; a float32 scale per 32 weights (1/8 byte each) keeps the int4 engine under
 # 0.18x the fp32 one. int8_wo: the largest group that fits (see above).
 DEFAULT_GROUP_SIZE = {"int4_wo": 32}
+AWQ_MAX_GROUP_SIZE = 128  # ModelOpt's INT4_AWQ_CFG block size
 ACCURACY_LEVELS = (0, 1, 4)
 DEFAULT_ACCURACY_LEVEL = 4
 
 
 def split_dtype(name: str) -> tuple[str, str | None]:
     """`--dtype` value -> (compute dtype, quantization mode or None). Weight-only modes compute in float32."""
-    if name in WEIGHT_ONLY:
+    if name in IMPLEMENTED:
         return "float32", name
     if name in PLANNED:
-        raise EngineError(f"--dtype {name} is not implemented yet (it needs ModelOpt calibration, a later "
-                          f"version); implemented quantized modes: {', '.join(WEIGHT_ONLY)}", usage=True)
+        raise EngineError(f"--dtype {name} is not implemented yet; implemented quantized modes: "
+                          f"{', '.join(IMPLEMENTED)}", usage=True)
     try:
         return parse_dtype(name), None
     except EngineError:
         raise EngineError(f"--dtype {name!r} is unknown; use one of auto, {', '.join(DTYPES)} or a quantized "
-                          f"mode: {', '.join(WEIGHT_ONLY)}", usage=True) from None
+                          f"mode: {', '.join(IMPLEMENTED)}", usage=True) from None
 
 
 def quantized_in_features(model: ModelConfig, tp: int, quantize_lm_head: bool) -> dict[str, int]:
@@ -67,11 +74,12 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
     model; an unquantized config is returned as is."""
     if quant.mode is None:
         return quant
-    if quant.mode not in WEIGHT_ONLY:
-        split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
+    split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
     if quant.kv_cache_dtype is not None:
         raise EngineError(f"KV-cache quantization ({quant.kv_cache_dtype}) is not implemented yet; build without it",
                           usage=True)
+    if quant.mode in CALIBRATED:
+        return _resolve_calibrated(quant, model, tp)
     level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level
     if level not in ACCURACY_LEVELS:
         raise EngineError(f"--quant-accuracy-level {level} is not one of {', '.join(map(str, ACCURACY_LEVELS))}",
@@ -87,4 +95,34 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
         group = fitting[-1]
     for what, k in ks.items():
         check_group_size(group, k, f"{what} (tp {tp})" if tp > 1 else what)
+    return replace(quant, group_size=group, accuracy_level=level)
+
+
+def _resolve_calibrated(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
+    """int8_sq / fp8 take no group size nor accuracy level; int4_awq takes both (MatMulNBits runs it)."""
+    if tp != 1:
+        raise EngineError(f"--dtype {quant.mode} calibrates a tp 1 engine only (the calibration scales are not "
+                          f"sharded yet); build with --tp 1, or use {' or '.join(WEIGHT_ONLY)} for tp {tp}",
+                          usage=True)
+    if quant.mode != "int4_awq":
+        for flag, value in (("--group-size", quant.group_size), ("--quant-accuracy-level", quant.accuracy_level)):
+            if value is not None:
+                raise EngineError(f"{flag} applies to weight-only and int4_awq builds, not --dtype {quant.mode}; "
+                                  "leave it out", usage=True)
+        return quant
+    level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level
+    if level not in ACCURACY_LEVELS:
+        raise EngineError(f"--quant-accuracy-level {level} is not one of {', '.join(map(str, ACCURACY_LEVELS))}",
+                          usage=True)
+    ks = quantized_in_features(model, tp, quant.quantize_lm_head)
+    group = quant.group_size
+    if group is None:
+        fitting = [s for s in GROUP_SIZES if s <= AWQ_MAX_GROUP_SIZE and all(k % s == 0 for k in ks.values())]
+        if not fitting:
+            raise EngineError(f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides the in "
+                              f"features {sorted(set(ks.values()))} of this model; it cannot be quantized with "
+                              "int4_awq")
+        group = fitting[-1]
+    for what, k in ks.items():
+        check_group_size(group, k, what)
     return replace(quant, group_size=group, accuracy_level=level)

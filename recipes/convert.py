@@ -5,7 +5,8 @@
             recipe.modify_tensors  -> logical canonical tensors, shape-checked against the config
             shard(rank) -> cast(dtype) -> Packer -> packed tensors of this rank
         save rank{N}.safetensors
-    config.json, tokenizer files            (all inside a temporary sibling, renamed when complete)
+    tokenizer files, then config.json with the manifest: size and sha256 of every other file, and the source's
+    digest (core/manifest.py)               (all inside a temporary sibling, renamed when complete)
 
 Every problem of the source (a missing or extra tensor, a wrong shape, a truncated file) and of the output (a
 full disk) is an EngineError; nothing that looks like a checkpoint is left behind.
@@ -25,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from engine.core.artifacts import (CheckpointConfig, atomic_output_dir, copy_tokenizer_files, rank_file,
-                                   save_config)
+                                   save_sealed)
 from engine.core.config import Mapping, parse_dtype
 from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
@@ -93,17 +94,18 @@ def convert(source: TensorSource, cfg: ConvertConfig, progress: Progress | None 
         dtype=dtype,
         mapping=Mapping(world_size=cfg.tp, tp_size=cfg.tp, pp_size=1),
         generation=recipe.generation_defaults(source.generation_config()),
-        source={"kind": source.kind, "path": str(Path(source.path).absolute())},
+        # the name only: a machine's path would make the same conversion differ from one machine to the next
+        source={"kind": source.kind, "name": Path(source.path).absolute().name},
     )
     with atomic_output_dir(cfg.output_dir, force=cfg.force) as tmp:
         for rank in range(cfg.tp):
             tensors = _convert_rank(source, recipe, ckpt, rank, progress)
             _save_rank(tensors, tmp / rank_file(rank))
             del tensors  # release this rank before the next one is built
-        save_config(tmp, ckpt)
         tok_dir = source.tokenizer_dir()
         if tok_dir is not None:
             copy_tokenizer_files(tok_dir, tmp)
+        ckpt = save_sealed(tmp, ckpt, source_digest=source.digest())
     return ckpt
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.core.errors import EngineError
+from engine.core.manifest import digest_file
 
 from . import RECIPES
 
@@ -186,6 +187,10 @@ class GGUFSource:
     def generation_config(self) -> dict:
         return self._generation
 
+    def digest(self) -> str:
+        """The sha256 of the GGUF file: everything converted comes from it (the hash a model hub publishes)."""
+        return digest_file(self.path)
+
     def tokenizer_dir(self) -> Path:
         """tokenizer.json, tokenizer_config.json (with the chat template), chat_template.jinja, generation_config.json."""
         if self._tokenizer_dir is None:
@@ -285,7 +290,13 @@ class _Tensor(NamedTuple):
 
 def _read_metadata(path: Path) -> dict:
     """The file's metadata, read once; string arrays (the vocabulary, the merges) are left as their lengths."""
-    from transformers.integrations.gguf import read_gguf_metadata
+    try:
+        from transformers.integrations.gguf import read_gguf_metadata
+    except ImportError:  # an older transformers (e.g. one pinned by another package) has only the legacy loader
+        import transformers
+        raise EngineError(f"transformers {transformers.__version__} has no fast GGUF reader "
+                          "(transformers.integrations.gguf), which --gguf needs; install a newer transformers (5.24 "
+                          "is tested)") from None
     try:
         with open(path, "rb") as f:
             magic = f.read(4)

@@ -13,7 +13,9 @@ from typing import Iterator, Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
+from engine.core.artifacts import TOKENIZER_FILES
 from engine.core.errors import EngineError
+from engine.core.manifest import describe, digest_entries
 from engine.core.serde import read_json
 
 
@@ -27,6 +29,7 @@ class TensorSource(Protocol):
     def names(self) -> list[str]: ...
     def get(self, name: str) -> torch.Tensor: ...
     def tokenizer_dir(self) -> Path | None: ...
+    def digest(self) -> str: ...  # "sha256:<hex>" of what is converted (core/manifest.py)
 
 
 class HFDirSource:
@@ -100,6 +103,15 @@ class HFDirSource:
 
     def tokenizer_dir(self) -> Path | None:
         return self.path
+
+    def files(self) -> list[Path]:
+        """The files conversion reads: config.json, the weights (and their index), generation and tokenizer files."""
+        names = ["config.json", "model.safetensors.index.json", "generation_config.json", *TOKENIZER_FILES]
+        return sorted({*self._files, *(p for p in (self.path / n for n in names) if p.is_file())})
+
+    def digest(self) -> str:
+        """The sha256 of the canonical list of `files()` with their sizes and sha256s (core/manifest.py)."""
+        return digest_entries(describe(self.path, self.files()))
 
 
 class _SafetensorsFile:

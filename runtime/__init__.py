@@ -4,7 +4,8 @@ continuous-batching scheduler) and the Python API.
     from engine.runtime import LLM, SamplingParams
     outputs = LLM("engine_dir").generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
-It reads only an engine directory; it never imports recipes/, builder/, transformers or torch.
+It reads only an engine directory; it never imports recipes/, builder/ or transformers, and imports torch only to
+run a tensor-parallel engine (runtime/tp/, torch.distributed) or a TensorRT one.
 """
 from .llm import LLM
 from .outputs import EngineStats, RequestMetrics, RequestOutput

@@ -15,6 +15,7 @@ from engine.core.errors import EngineError
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .outputs import EngineStats, RequestMetrics, RequestOutput
+from .request_state import SequenceState, resumable
 from .sampler import SamplingRow, sample
 from .sampling_params import Logprob
 from .scheduler import Scheduler, SchedulerConfig
@@ -57,8 +58,24 @@ class EngineCore:
         if seq.request_id in self.requests:
             raise EngineError(f"request id {seq.request_id!r} is already in flight; use a unique id")
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
-        self.requests[seq.request_id] = _Request(seq, prompt, detok, [] if seq.params.logprobs is not None else None)
+        req = _Request(seq, prompt, detok, [] if seq.params.logprobs is not None else None)
+        if seq.num_output_tokens:
+            self._replay(req)
+        self.requests[seq.request_id] = req
         self.scheduler.add(seq)
+
+    def _replay(self, req: _Request) -> None:
+        """A resumed sequence (request_state.py) arrives with generated tokens: feed them to its detokenizer as
+        _check_stop did, one at a time (none of them stopped it), so its text and held-back text are as before."""
+        seq = req.seq
+        for k, tok in enumerate(seq.output_token_ids):
+            req.detok.update([tok], check_stop=k + 1 >= seq.params.min_tokens)
+        req.detok.take_delta(finished=False)
+        req.emitted_tokens = seq.num_output_tokens
+
+    def snapshot(self) -> list[SequenceState]:
+        """The resumable state of every request in flight; call it between steps."""
+        return [SequenceState.capture(r.seq) for r in self.requests.values() if resumable(r.seq.params)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -5,6 +5,7 @@
     async for out in llm.generate_async("Hello", params): print(out.delta_text, end="")
     LLM("engine_dir", scheduling_policy="priority").generate_async(prompt, params, request_id="a", priority=-1)
     llm.stats()    # running / waiting requests, KV usage, preemptions, prefix-cache queries and hits
+    states = llm.snapshot(); llm2.resume_async(states[0])   # checkpoint / resume (request_state.py)
 
 The engine core is single-threaded. Sync calls (generate, chat, stream) drive it in the calling thread; the
 async API starts one background engine thread, and from then on every call (sync ones too) submits requests to
@@ -19,6 +20,7 @@ max_tokens beyond max_seq_len - prompt length is clipped to it with a warning on
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -36,6 +38,7 @@ from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES, SchedulerConfig
+from .request_state import SequenceState
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
@@ -62,7 +65,7 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs",
                  max_prefill_chunk_with_decodes: int | None = DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES,
-                 max_num_tokens: int | None = None, max_batch_size: int | None = None):
+                 max_num_tokens: int | None = None, max_batch_size: int | None = None, distributed=None):
         from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
         self.engine_dir = Path(engine_dir)
         self.config = load_engine_config(self.engine_dir)
@@ -79,7 +82,13 @@ class LLM:
         self.tokenizer = Tokenizer(self.engine_dir)
         self.kv_plan: KVPlan = plan_kv_cache(self.config, kv_cache_mem_fraction=kv_cache_mem_fraction,
                                              max_kv_tokens=max_kv_tokens, kv_cache_bytes=kv_cache_memory_bytes)
-        if self.config.build.backend == "tensorrt":
+        if self.config.mapping.world_size > 1:
+            # torch, imported only for tensor-parallel engines; `distributed` (runtime/tp/config.py): None spawns
+            # the other ranks here, else this process is rank 0 of ranks started elsewhere (torchrun-style)
+            from .tp.session import TPSession
+            self.session = TPSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads,
+                                     distributed=distributed)
+        elif self.config.build.backend == "tensorrt":
             from .trt_session import TrtSession  # torch + tensorrt, imported only for TensorRT engines
             self.session = TrtSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks)
         else:
@@ -221,6 +230,35 @@ class LLM:
         """Outputs of one request as they are produced; leaving the iteration early aborts the request and
         frees its blocks (a client that disconnects)."""
         seq, text = self.make_sequence(prompt, params, request_id=request_id, priority=priority)
+        async for out in self._run_async(seq, text):
+            yield out
+
+    async def resume_async(self, state: SequenceState) -> AsyncIterator[RequestOutput]:
+        """generate_async for a sequence captured by snapshot() (maybe in another process): its prompt and
+        generated tokens are recomputed and it continues as it would have; outputs carry the whole text."""
+        seq, _ = self.make_sequence(state.prompt_token_ids, state.params, request_id=state.request_id,
+                                    priority=state.priority)
+        state.restore_into(seq)
+        async for out in self._run_async(seq, None):
+            yield out
+
+    def snapshot(self, timeout: float = 60.0) -> list[SequenceState]:
+        """The resumable state (request_state.py) of every request in flight, taken between two engine steps."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            threaded = self._thread is not None
+            if threaded:
+                self._inbox.append(("snapshot", done))
+                self._cond.notify()
+        if not threaded:
+            with self._drive_lock:
+                return self.core.snapshot()
+        try:
+            return done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise EngineError(f"the engine loop did not answer a snapshot within {timeout} s") from None
+
+    async def _run_async(self, seq: Sequence, text: str | None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self.start()
@@ -299,6 +337,8 @@ class LLM:
                             sink = self._sinks.pop(arg[0].request_id, None)
                         if sink is not None:
                             sink(e)
+                elif kind == "snapshot":
+                    arg.set_result(self.core.snapshot())
                 else:
                     out = self.core.abort(arg)
                     if out is not None:

@@ -24,7 +24,8 @@ from engine.core.engine_config import LOGITS, LOGITS_INDICES, engine_file, kcach
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
-from .engine_dir import load_engine_config
+from .engine_dir import load_engine_config, verifying_files
+from .session import load_ort_session
 from .step_inputs import SeqChunk, make_step_inputs
 
 
@@ -75,8 +76,8 @@ class ScoringSession:
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = threads
-        self._session = ort.InferenceSession(str(engine_dir / engine_file(0)), so,
-                                             providers=["CPUExecutionProvider"])
+        with verifying_files(engine_dir, config):  # hashes every file while ORT loads the graph
+            self._session = load_ort_session(engine_dir / engine_file(0), so)
         self._inputs = {i.name for i in self._session.get_inputs()}
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:

@@ -40,10 +40,12 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
       3. repetition penalty (params.repetition_penalty, 1 = off) over every distinct token of the prompt AND the
          output, as vLLM and transformers do: a positive logit is divided by it, a negative one multiplied.
       4. frequency and presence penalties (OpenAI semantics) over the GENERATED tokens only, the prompt does not
-         count: logit -= frequency_penalty * count + presence_penalty * (count > 0).
+         count: logit -= frequency_penalty * count + presence_penalty * (count > 0). A logit a penalty pushed past
+         the float64 range is clamped to its largest value (an extreme repetition_penalty such as 5e-324).
       5. temperature 0 -> greedy: the argmax of the penalised logits (lowest id on ties); steps 6-10 are skipped
          and the generator is not used.
-      6. temperature: logits /= temperature.
+      6. temperature: logits /= temperature, after subtracting their maximum (softmax does not change), so a
+         temperature near 0 (even 5e-324) sends every other logit to -inf instead of overflowing to +inf and NaN.
       7. top-k (0 = off): keep the tokens whose logit is >= the k-th largest (ties at the boundary are kept).
       8. top-p (1 = off): over the probabilities after 7, keep the smallest set of most likely tokens whose mass
          reaches top_p: a token is kept when the mass of the tokens sorted before it is < top_p (the most
@@ -67,7 +69,8 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if p.temperature == 0:
             tok = int(np.argmax(x))
         else:
-            x /= p.temperature
+            with np.errstate(over="ignore"):        # to -inf: intended (step 6)
+                x = (x - np.max(x)) / p.temperature
             probs = filter_probs(x, p)
             cdf = np.cumsum(probs)
             u = row.generator.random()
@@ -86,11 +89,13 @@ def apply_penalties(x: np.ndarray, row: SamplingRow) -> None:
                                          np.asarray(row.output_token_ids, dtype=np.int64)]))
         seen = seen[seen < V]
         vals = x[seen]
-        x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        with np.errstate(over="ignore"):            # clamped below
+            x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty != 0 or p.presence_penalty != 0) and len(row.output_token_ids):
         out = np.asarray(row.output_token_ids, dtype=np.int64)
         counts = np.bincount(out[out < V], minlength=V)[:V]
         x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    np.minimum(x, np.finfo(np.float64).max, out=x)    # +inf - inf would be NaN in the softmax
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

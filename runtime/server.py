@@ -8,7 +8,12 @@ short generation; until then /health is 503 (and so are the generation endpoints
 also 503 when the engine loop died. The engine runs in the LLM's own thread (its async API), never on the
 event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
 stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
-finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits.
+finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits. With
+state_dir (resume.py) the requests in flight are checkpointed every state_checkpoint_interval seconds, and SIGTERM
+writes the state and exits at once; a server restarted on that directory resumes them, and clients reconnect to
+GET /v1/requests/{id}/stream (SSE, from their Last-Event-ID) or GET /v1/requests/{id} (JSON). A client may name
+its response with an X-Request-Id header (the id becomes cmpl-ID / chatcmpl-ID); every response carries its id
+in the X-Request-Id response header.
 
 Admission: at most max_batch_size + max_queue sequences (a request with n choices over k prompts is n * k) are
 in flight; beyond that a request is answered 429 with Retry-After at once rather than queued without bound.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import signal
 import threading
 from contextlib import asynccontextmanager
@@ -37,14 +43,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.core.errors import EngineError
 
 from .engine_dir import load_engine_config
+from .http_limits import BodySizeLimit
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               TokenizeRequest, validation_error)
+from .resume import StateKeeper, parse_event_id
 from .sampling_params import SamplingParams
 from .serving import OpenAIServing
 
 log = logging.getLogger("engine.server")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,10 @@ class ServerConfig:
     shutdown_timeout: float = 30.0       # seconds in-flight requests get to finish after SIGTERM
     keepalive_s: float = 5.0             # SSE comment after this long without a token
     retry_after_s: int = 1
+    max_body_bytes: int = 4 * 2**20      # larger request bodies are answered 413 (http_limits.py)
+    state_dir: Optional[Path] = None     # checkpoints of the requests in flight, resumed on restart (resume.py)
+    state_checkpoint_interval: float = 30.0
+    state_result_ttl: float = 600.0      # seconds a resumed response is kept after it finished
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -72,6 +85,13 @@ class ServerConfig:
             raise EngineError(f"keepalive_s {self.keepalive_s} must be > 0", usage=True)
         if not self.served_model_name:
             raise EngineError("--served-model-name must not be empty", usage=True)
+        if self.max_body_bytes < 1024:
+            raise EngineError(f"--max-body-bytes {self.max_body_bytes} must be at least 1024", usage=True)
+        if self.state_checkpoint_interval <= 0:
+            raise EngineError(f"--state-checkpoint-interval {self.state_checkpoint_interval} must be > 0 seconds",
+                              usage=True)
+        if self.state_result_ttl < 0:
+            raise EngineError(f"--state-result-ttl {self.state_result_ttl} must be >= 0 seconds", usage=True)
 
 
 class ServerState:
@@ -144,6 +164,13 @@ class _SSEResponse(StreamingResponse):
             self._release()
 
 
+def _also(release: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both():
+        release()
+        then()
+    return both
+
+
 async def _until_disconnect(request: Request, coro):
     """Await `coro`, cancelling it if the client disconnects first (then None is returned)."""
     async def disconnected():
@@ -166,6 +193,9 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
     max_model_len = engine_config.build.max_seq_len
     state = ServerState(config, engine_config.build.max_batch_size)
     metrics = ServerMetrics(config.served_model_name, lambda: state.llm)
+    keeper = None if config.state_dir is None else StateKeeper(
+        config.state_dir, config.served_model_name, interval=config.state_checkpoint_interval,
+        result_ttl=config.state_result_ttl)
 
     async def load_engine():
         try:
@@ -184,6 +214,9 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
         state.llm = llm
         state.serving = OpenAIServing(llm, config.served_model_name, metrics, keepalive_s=config.keepalive_s,
                                       engine_alive=llm.is_running)
+        if keeper is not None:
+            state.serving.resumable, state.serving.on_finished = True, keeper.on_finished
+            await keeper.start(llm)
         log.info("engine loaded and warmed; serving %s", config.served_model_name)
 
     @asynccontextmanager
@@ -192,12 +225,16 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
         yield
         state.draining = True
         await task
+        if keeper is not None:
+            keeper.stop()
         if state.llm is not None:
             await run_in_threadpool(state.llm.close)
 
     app = FastAPI(title="engine", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.state.server = state
     app.state.metrics = metrics
+    app.state.keeper = keeper
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -211,7 +248,8 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind).body(),
+        code = "request_too_large" if e.status_code == 413 else None
+        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind, code=code).body(),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
 
     def authorized(request: Request) -> None:
@@ -239,18 +277,30 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
         check_model(body.model)
         check_priority(body.priority)
         n_prompts = 1 if chat else len(body.prompts)
+        client_id = request.headers.get("x-request-id")
+        if client_id is not None and not _REQUEST_ID.fullmatch(client_id):
+            raise APIError(f"X-Request-Id {client_id!r} must be 1-128 letters, digits, '.', '_', ':' or '-'",
+                           param="X-Request-Id", code="invalid_value")
         release = state.admit(n_prompts * body.n)
         streaming = False
         try:
-            prep = await (serving.prepare_chat(body) if chat else serving.prepare_completion(body))
+            prep = await (serving.prepare_chat(body, client_id) if chat
+                          else serving.prepare_completion(body, client_id))
+            if keeper is not None:        # saved in checkpoints until its client is done with it
+                keeper.track(prep, "chat" if chat else "completion", include_usage=body.include_usage,
+                             echo=not chat and body.echo)
+                release = _also(release, lambda: keeper.untrack(prep.id))
+            headers = {"X-Request-Id": prep.id}
             if body.stream:
                 streaming = True
-                return _SSEResponse(serving.stream(body, prep, body.priority, chat), release)
+                response = _SSEResponse(serving.stream(body, prep, body.priority, chat), release)
+                response.headers.update(headers)
+                return response
             finals = await _until_disconnect(request, serving.final_outputs(prep, body.priority))
             if finals is None:            # the client went away; nobody reads this
                 return Response(status_code=499)
             return JSONResponse(serving.chat_response(prep, finals) if chat
-                                else serving.completion_response(body, prep, finals))
+                                else serving.completion_response(body, prep, finals), headers=headers)
         finally:
             if not streaming:
                 release()
@@ -262,6 +312,33 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await generate(request, body, chat=True)
+
+    def resumed(response_id: str):
+        state.ready()
+        if keeper is None:
+            raise APIError(f"no resumable response {response_id!r}: this server runs without --state-dir",
+                           status=404, type="not_found_error", code="response_not_found")
+        return keeper.get(response_id)
+
+    @app.get("/v1/requests/{response_id}/stream", dependencies=[Depends(authorized)])
+    async def resume_stream(response_id: str, request: Request, last_event_id: Optional[str] = None):
+        """The rest of a resumed response's stream after the event id the client last received (resume.py)."""
+        tracked = resumed(response_id)
+        last = request.headers.get("last-event-id", last_event_id)
+        if last:
+            parse_event_id(last)          # a 400 now rather than an error inside the stream
+        response = _SSEResponse(keeper.stream(tracked, last, config.keepalive_s), lambda: None)
+        response.headers["X-Request-Id"] = tracked.id
+        return response
+
+    @app.get("/v1/requests/{response_id}", dependencies=[Depends(authorized)])
+    async def resume_result(response_id: str, request: Request):
+        """A resumed response as JSON, once finished (resume.py); the client leaving does not cancel it."""
+        tracked = resumed(response_id)
+        body = await _until_disconnect(request, keeper.final(tracked))
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers={"X-Request-Id": tracked.id})
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
@@ -323,6 +400,8 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str = "info") -> i
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             state.draining = True                  # requests on open keep-alive connections now get 503
+            if app.state.keeper is not None:       # --state-dir: save the state, then end streams (no drain)
+                app.state.keeper.shutdown_soon()
             super().handle_exit(sig, frame)
 
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,

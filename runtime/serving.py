@@ -30,6 +30,7 @@ from engine.core.errors import EngineError
 from .metrics import ServerMetrics
 from .openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .outputs import RequestOutput
+from .resume import event_id
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("engine.server")
@@ -65,10 +66,13 @@ class OpenAIServing:
         self.llm, self.model_name, self.metrics = llm, model_name, metrics
         self.keepalive_s, self.engine_alive = keepalive_s, engine_alive
         self.tokenizer = llm.tokenizer
+        # With --state-dir (resume.py): streams tag events with resume offsets, finished choices are reported.
+        self.resumable = False
+        self.on_finished: Callable[[str, RequestOutput], None] | None = None
 
     # ---- preparing ---------------------------------------------------------------------------------------
 
-    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    async def prepare_completion(self, req: CompletionRequest, request_id: str | None = None) -> Prepared:
         def tokenize():
             out = []
             for p in req.prompts:
@@ -80,9 +84,9 @@ class OpenAIServing:
                     out.append((ids, self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None))
             return out
         prompts = await run_in_threadpool(tokenize)
-        return self._prepare("cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt")
+        return self._prepare("cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt", request_id)
 
-    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+    async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Prepared:
         messages = req.template_messages()
 
         def tokenize():
@@ -97,10 +101,10 @@ class OpenAIServing:
                 raise APIError(f"the chat template failed on these messages: {e!r}", param="messages") from None
         ids = await run_in_threadpool(tokenize)
         return self._prepare("chatcmpl", req, [(ids, None)], req.requested_max_tokens, req.num_logprobs,
-                             "messages")
+                             "messages", request_id)
 
-    def _prepare(self, kind, req, prompts, max_tokens, logprobs, what) -> Prepared:
-        rid = f"{kind}-{uuid.uuid4().hex}"
+    def _prepare(self, kind, req, prompts, max_tokens, logprobs, what, request_id=None) -> Prepared:
+        rid = f"{kind}-{request_id or uuid.uuid4().hex}"     # request_id: the client's X-Request-Id
         choices = []
         for i, (ids, _) in enumerate(prompts):
             budget = self._check_context(len(ids), max_tokens, what)
@@ -155,6 +159,8 @@ class OpenAIServing:
                 async for out in self.llm.generate_async(c.prompt_ids, c.params, request_id=c.request_id,
                                                          priority=priority):
                     rec.observe(out)
+                    if out.finished and self.on_finished is not None:
+                        self.on_finished(c.request_id, out)
                     q.put_nowait((c.index, out))
             except Exception as e:
                 q.put_nowait((c.index, e))
@@ -182,7 +188,9 @@ class OpenAIServing:
                 if item.finished:
                     pending -= 1
                     if item.finish_reason == "abort":
-                        raise APIError("the request was aborted: the server is shutting down", status=503,
+                        hint = (f"; its state was saved: resume it on the restarted server with GET /v1/requests/"
+                                f"{prep.id}/stream (or /v1/requests/{prep.id})") if self.resumable else ""
+                        raise APIError("the request was aborted: the server is shutting down" + hint, status=503,
                                        type="service_unavailable")
                 yield idx, item
         finally:
@@ -239,6 +247,14 @@ class OpenAIServing:
             return _sse(d)
 
         finals: dict[int, RequestOutput] = {}
+        chars: dict[int, int] = {c.index: 0 for c in prep.choices}   # text sent per choice (resume offsets)
+        ended: set[int] = set()                                      # choices whose finish was sent
+
+        def tagged(idx: int, delta: str, finished: bool, sse: str) -> str:
+            chars[idx] += len(delta)
+            if finished:
+                ended.add(idx)
+            return f"id: {event_id(chars, ended)}\n{sse}" if self.resumable else sse
         sent: dict[int, int] = {}              # logprobs sent per choice
         offsets: dict[int, int] = {}           # text_offset of completion logprobs per choice
         try:
@@ -264,18 +280,21 @@ class OpenAIServing:
                         if out.delta_text or new_lps:
                             lps = {"content": self.chat_logprobs(lp_ids, new_lps), "refusal": None} \
                                 if new_lps else None
-                            yield chunk([{"index": idx, "delta": {"content": out.delta_text}, "logprobs": lps,
-                                          "finish_reason": None}])
+                            yield tagged(idx, out.delta_text, False, chunk([{
+                                "index": idx, "delta": {"content": out.delta_text}, "logprobs": lps,
+                                "finish_reason": None}]))
                         if out.finished:
-                            yield chunk([{"index": idx, "delta": {}, "logprobs": None,
-                                          "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}])
+                            yield tagged(idx, "", True, chunk([{
+                                "index": idx, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason,
+                                "stop_reason": out.stop_reason}]))
                     elif out.delta_text or new_lps or out.finished:
                         lps = None
                         if new_lps is not None:
                             lps, offsets[idx] = self.completion_logprobs(lp_ids, new_lps, offsets.get(idx, 0))
-                        yield chunk([{"index": idx, "text": out.delta_text, "logprobs": lps,
-                                      "finish_reason": out.finish_reason if out.finished else None,
-                                      "stop_reason": out.stop_reason if out.finished else None}])
+                        yield tagged(idx, out.delta_text, out.finished, chunk([{
+                            "index": idx, "text": out.delta_text, "logprobs": lps,
+                            "finish_reason": out.finish_reason if out.finished else None,
+                            "stop_reason": out.stop_reason if out.finished else None}]))
                     if out.finished:
                         finals[idx] = out
             if req.include_usage:

@@ -1,6 +1,7 @@
 """The low-level engine session: one ONNX Runtime session of a tp=1 engine and its KV pool, one run() per step.
 
-    EngineSession(engine_dir, num_blocks)        loads rank0.onnx (already optimized at build: optimizations off)
+    EngineSession(engine_dir, num_blocks)        loads rank0.onnx (already optimized at build: optimizations off),
+                                                 refusing files that differ from the manifest (hashed meanwhile)
         pool: kcache.{i}, vcache.{i}  np.float32 [num_blocks * tokens_per_block, kv_size], allocated once
               each bound with IOBinding as both the graph input and its aliased output kcache_out.{i}, so
               ORT's ScatterND writes the step's K/V into the pool in place (no copy of the pool per step)
@@ -21,7 +22,7 @@ from engine.core.engine_config import (LOGITS, EngineConfig, engine_file, kcache
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
-from .engine_dir import load_runnable_engine
+from .engine_dir import load_runnable_engine, verifying_files
 from .step_inputs import SeqChunk, check_step, make_step_inputs
 
 
@@ -45,8 +46,8 @@ class EngineSession:
         if threads:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(str(engine_dir / engine_file(0)), so,
-                                             providers=["CPUExecutionProvider"])
+        with verifying_files(engine_dir, self.config):  # hashes every file while ORT loads the graph
+            self._session = load_ort_session(engine_dir / engine_file(0), so)
         self._input_names = {i.name for i in self._session.get_inputs()}
 
         kv_size = kv_heads_per_rank(model, 1) * model.head_dim
@@ -78,3 +79,15 @@ class EngineSession:
         self._session.run_with_iobinding(self._binding)
         logits = self._binding.get_outputs()[0].numpy()
         return logits[:, :self.config.model.vocab_size]
+
+
+def load_ort_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session of the graph `path`; a truncated or corrupt graph or external-data file (ORT
+    checks both at load) is an EngineError naming the file, not ORT's multi-line exception."""
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - ORT raises its own classes (Fail, InvalidProtobuf, ...) for bad files
+        detail = " ".join(str(e).split())[:300]
+        raise EngineError(f"cannot load {path}: {detail}; the engine file or its .data file is truncated or corrupt "
+                          f"— rebuild it with `engine build --checkpoint-dir CKPT --output-dir {path.parent} "
+                          "--force`") from None

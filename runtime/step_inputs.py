@@ -1,12 +1,20 @@
 """The graph inputs of one scheduler step, built from the sequences' chunks (see core/engine_config.py).
 
 Packed tokens, no padding: sequence b contributes q_len[b] new tokens at positions [start_pos[b], ctx_len[b]).
-Everything is computed with NumPy over whole arrays; the only Python loop runs once per sequence (to pad the
-block tables), never once per token.
+Attention works on *rows*: a row is a run of at most Qmax consecutive new tokens of one sequence, and the
+attention batch is [rows, Qmax]. A short chunk is one row; a long chunk beside short ones is cut into several
+rows, so that one 128-token prefill chunk does not pad every decode of the step to 128 queries:
 
     packed tokens      | seq 0: 5 tokens (prefill) | seq 1: 1 (decode) | seq 2: 3 (chunk) |
-    q_index [B, Qmax]    0 1 2 3 4 / 5 0 0 0 0 / 6 7 8 0 0        (pad rows: index 0, masked to key 0)
-    out_index [T]        0 1 2 3 4   5           10 11 12         (b * Qmax + j)
+    rows of Qmax = 4     row 0: seq 0 [0..4) | row 1: seq 0 [4] | row 2: seq 1 | row 3: seq 2
+    q_index [R, Qmax]    0 1 2 3 / 4 0 0 0 / 5 0 0 0 / 6 7 8 0     (pad entries: index 0, masked to key 0)
+    out_index [T]        0 1 2 3   4         8         12 13 14   (row * Qmax + j)
+
+A row of sequence b starting at position p sees keys [0, p + its length) of b, causally. Qmax is chosen per
+step to minimise rows * (Qmax + ROW_OVERHEAD), a cost model of padded query rows plus each row's K/V gather
+(see _row_length); a step whose chunks all have the same length stays one row per sequence.
+Everything is computed with NumPy over whole arrays; the only Python loop runs once per sequence (to pad the
+block tables), never once per token.
 
 This module knows nothing of ONNX Runtime; it must stay importable without it.
 """
@@ -30,9 +38,17 @@ class SeqChunk:
     want_logits: bool            # logits of its last new token wanted
 
 
-def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int,
-                     sliding_window: int | None) -> dict[str, np.ndarray]:
-    """Graph inputs for `chunks` (all but the KV pools); `attn_mask_sliding` only when `sliding_window`."""
+# Cost of a row beyond its query entries, in units of one padded query: the K/V gather of its context (each row
+# copies its whole context) and the per-row work of the attention op. Measured on SmolLM2, 8 decodes at context
+# 900 beside a 128-token chunk (bench/attention_rows.py, 1 thread): Qmax 128 / 64 / 32 / 16 / 8 took
+# 3.69 / 2.49 / 1.91 / 1.70 / 1.75 s; 12 makes the model pick 16.
+ROW_OVERHEAD = 12
+
+
+def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_window: int | None,
+                     max_rows: int | None = None) -> dict[str, np.ndarray]:
+    """Graph inputs for `chunks` (all but the KV pools); `attn_mask_sliding` only when `sliding_window`.
+    `max_rows` bounds the attention batch (a backend with a fixed batch range: TensorRT's profiles)."""
     if not chunks:
         raise EngineError("a step needs at least one sequence chunk")
     q_len = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
@@ -43,7 +59,6 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int,
         raise EngineError(f"start_pos {int(start.min())} is negative")
     ctx_len = start + q_len
     num_seqs, total = len(chunks), int(q_len.sum())
-    q_max, l_max = int(q_len.max()), int(ctx_len.max())
 
     # Block tables padded to [B, max blocks]; a table must cover every context position of its sequence.
     need = -(-ctx_len // tokens_per_block)
@@ -62,16 +77,30 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int,
     positions = start[seq] + offset
     slot_mapping = tables[seq, positions // tokens_per_block] * tokens_per_block + positions % tokens_per_block
 
+    # Rows: sequence b's chunk cut into pieces of at most q_max tokens.
+    q_max = _row_length(q_len, max_rows or len(chunks) + total)
+    pieces = -(-q_len // q_max)
+    row_seq = np.repeat(np.arange(num_seqs), pieces)             # [R] sequence of each row
+    piece = np.arange(len(row_seq)) - (np.cumsum(pieces) - pieces)[row_seq]
+    row_first = first[row_seq] + piece * q_max                   # [R] packed index of the row's first token
+    row_len = np.minimum(q_max, q_len[row_seq] - piece * q_max)
+    row_start = start[row_seq] + piece * q_max                   # [R] position of the row's first token
+    row_ctx = row_start + row_len                                # [R] keys the row's last query sees
+    num_rows, l_max = len(row_seq), int(row_ctx.max())
+    row_of_token = np.repeat(np.arange(num_rows), row_len)       # [T]
+
     j = np.arange(q_max)
-    q_valid = j[None, :] < q_len[:, None]                        # [B, Qmax]
-    q_index = np.where(q_valid, first[:, None] + j[None, :], 0)
+    q_valid = j[None, :] < row_len[:, None]                      # [R, Qmax]
+    q_index = np.where(q_valid, row_first[:, None] + j[None, :], 0)
     l = np.arange(l_max)
-    kv_valid = l[None, :] < ctx_len[:, None]                     # [B, Lmax]
-    kv_slots = tables[np.arange(num_seqs)[:, None], np.minimum(l[None, :], ctx_len[:, None] - 1) // tokens_per_block]
+    kv_valid = l[None, :] < row_ctx[:, None]                     # [R, Lmax]
+    row_tables = tables[row_seq]
+    kv_slots = row_tables[np.arange(num_rows)[:, None],
+                          np.minimum(l[None, :], row_ctx[:, None] - 1) // tokens_per_block]
     kv_slots = np.where(kv_valid, kv_slots * tokens_per_block + l[None, :] % tokens_per_block, 0)
 
-    q_pos = start[:, None] + j[None, :]                          # [B, Qmax] position of query j
-    causal = l[None, None, :] <= q_pos[:, :, None]               # [B, Qmax, Lmax]
+    q_pos = row_start[:, None] + j[None, :]                      # [R, Qmax] position of query j
+    causal = l[None, None, :] <= q_pos[:, :, None]               # [R, Qmax, Lmax]
     # Padded query rows see key 0 only, so their softmax stays finite; out_index never reads them.
     pad_row = ~q_valid[:, :, None] & (l == 0)[None, None, :]
     mask = (causal & q_valid[:, :, None]) | pad_row
@@ -84,13 +113,28 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int,
         Q_INDEX: q_index,
         KV_SLOTS: kv_slots,
         ATTN_MASK: mask[:, None],
-        OUT_INDEX: seq * q_max + offset,
+        OUT_INDEX: row_of_token * q_max + np.arange(total) - row_first[row_of_token],
         LOGITS_INDICES: (first + q_len - 1)[want],
     }
     if sliding_window:
         near = l[None, None, :] > q_pos[:, :, None] - sliding_window  # the query's own key included
         inputs[ATTN_MASK_SLIDING] = ((causal & near & q_valid[:, :, None]) | pad_row)[:, None]
     return inputs
+
+
+def _row_length(q_len: np.ndarray, max_rows: int) -> int:
+    """The Qmax (a power of two, or the longest chunk) minimising rows * (Qmax + ROW_OVERHEAD) with at most
+    max_rows rows. Equal-length chunks (a batch of decodes, one prefill) keep one row per sequence."""
+    longest = int(q_len.max())
+    best, best_cost = longest, len(q_len) * (longest + ROW_OVERHEAD)
+    size = 1
+    while size < longest:
+        rows = int((-(-q_len // size)).sum())
+        cost = rows * (size + ROW_OVERHEAD)
+        if rows <= max_rows and cost < best_cost:
+            best, best_cost = size, cost
+        size *= 2
+    return best
 
 
 def check_step(inputs: dict[str, np.ndarray], chunks: list[SeqChunk], config: EngineConfig, num_blocks: int) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.core.errors import EngineError
+from engine.core.serde import read_json
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -29,7 +30,8 @@ class Tokenizer:
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception
-            raise EngineError(f"cannot load {path}: {e}") from None
+            raise EngineError(f"cannot load {path}: {e}; the file is truncated or corrupt — rebuild the "
+                              "engine") from None
         cfg = _read_optional_json(model_dir / "tokenizer_config.json")
         self.special_tokens = {k: _token_text(cfg.get(k)) for k in SPECIAL_TOKEN_KEYS}
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
@@ -83,9 +85,9 @@ def _read_optional_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EngineError(f"cannot read {path}: {e}; the file is corrupt — rebuild the engine") from None
+        return read_json(path)   # a JSON object, or an EngineError naming the file
+    except EngineError as e:
+        raise EngineError(f"{e} — rebuild the engine") from None
 
 
 def _token_text(value) -> str | None:

@@ -45,7 +45,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 from engine.core.serde import from_json, read_json, write_json
 
-from .engine_dir import REBUILD, load_runnable_engine
+from .engine_dir import REBUILD, load_runnable_engine, verifying_files
 from .step_inputs import SeqChunk, check_step, make_step_inputs
 
 STAMP_FILE = "tensorrt.json"
@@ -131,8 +131,9 @@ class TrtSession:
 
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        plan = (engine_dir / engine_file(0, "tensorrt")).read_bytes()
-        self._engine = self._runtime.deserialize_cuda_engine(plan)
+        with verifying_files(engine_dir, self.config):  # hashes every file while TensorRT deserializes the plan
+            plan = (engine_dir / engine_file(0, "tensorrt")).read_bytes()
+            self._engine = self._runtime.deserialize_cuda_engine(plan)
         if self._engine is None:
             raise EngineError(f"TensorRT could not deserialize {engine_dir / engine_file(0, 'tensorrt')} (see its log "
                               f"above); {REBUILD.format(dir=engine_dir)} --backend tensorrt")
@@ -158,7 +159,8 @@ class TrtSession:
         """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
         import torch
 
-        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
+        # The optimization profiles bound the attention batch to max_batch_size rows.
+        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding, self.config.build.max_batch_size)
         check_step(inputs, chunks, self.config, self.num_blocks)
         ctx = self._context
         keep = []  # device copies must outlive the asynchronous execution

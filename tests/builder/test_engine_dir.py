@@ -11,7 +11,7 @@ import pytest
 from onnx import numpy_helper
 from safetensors.numpy import load_file
 
-from engine.core.engine_config import EngineConfig, engine_file
+from engine.core.engine_config import EngineConfig, allreduce_name, engine_file, segment_file
 from engine.core.errors import EngineError
 from engine.core.serde import from_json, read_json, to_json
 from engine.runtime.engine_dir import load_engine_config
@@ -89,7 +89,7 @@ def test_existing_output_dir_needs_force(tiny, tmp_path, monkeypatch, capsys):
     (["--tokens-per-block", "24"], "--tokens-per-block 24 is not a power of two"),
     (["--max-num-tokens", "4"], "--max-num-tokens 4 is below --max-batch-size 32"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8' is not supported yet"),
-    (["--dtype", "int4_awq"], "--dtype int4_awq is not implemented yet"),
+    (["--dtype", "w4a8_awq"], "--dtype w4a8_awq is not implemented yet"),
     (["--dtype", "int3_wo"], "--dtype 'int3_wo' is unknown"),
     (["--dtype", "int8_wo", "--group-size", "128"], "group size 128 does not divide the 64 input features"),
     (["--dtype", "int4_wo", "--group-size", "48"], "group size 48 is not supported"),
@@ -113,20 +113,28 @@ def test_tp2_build_of_tp1_checkpoint(tiny, tmp_path, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "build", "--checkpoint-dir", str(tiny.checkpoint(LLAMA)),
                        "--output-dir", str(out_dir), "--tp", "2", "--workers", "2", "--max-seq-len", "64")
     assert code == 0, err
-    assert (out_dir / "rank0.onnx").is_file() and (out_dir / "rank1.onnx").is_file()
     config = load_engine_config(out_dir)
     assert config.mapping.tp_size == 2 and config.mapping.world_size == 2
-    assert config.build.opt_level == "disable"   # saved unoptimized: ORT CPU has no AllReduce kernel
-    # Each rank holds its shard: vocab-parallel lm_head, column-parallel gate_up, two AllReduce per layer.
+    assert config.build.opt_level == "all"   # each segment is ORT-optimized at build, like a tp=1 engine
+    # Each rank is cut at its 2 all-reduce points per layer into 2 * 2 + 1 segments (core/engine_config.py).
+    assert not (out_dir / engine_file(0)).exists()
+    ranks = [[onnx.load(str(out_dir / segment_file(r, k))) for k in range(5)] for r in (0, 1)]
+    for segments in ranks:
+        assert not any(n.op_type == "AllReduce" for m in segments for n in m.graph.node)
+        for k, m in enumerate(segments):
+            inputs, outputs = {i.name for i in m.graph.input}, {o.name for o in m.graph.output}
+            assert (allreduce_name(k) in outputs) == (k < 4) and (allreduce_name(k - 1) in inputs) == (k > 0)
+        assert {"kcache.1", "vcache.1"} <= {i.name for i in segments[2].graph.input}
+        assert "logits" in {o.name for o in segments[4].graph.output}
+    # Each rank holds its shard: vocab-parallel lm_head, column-parallel gate_up.
     ckpt = load_file(str(tiny.checkpoint(LLAMA) / "rank0.safetensors"))
-    ranks = [onnx.load(str(out_dir / engine_file(r))) for r in (0, 1)]
-    weights = [{t.name: numpy_helper.to_array(t) for t in m.graph.initializer} for m in ranks]
+    weights = [{t.name: numpy_helper.to_array(t, base_dir=str(out_dir)) for m in segments for t in m.graph.initializer}
+               for segments in ranks]
     lm_head = np.concatenate([w["lm_head.weight"].T for w in weights])
     np.testing.assert_array_equal(lm_head, ckpt["lm_head.weight"])
     gate_up = ckpt["layers.1.mlp.gate_up.weight"]               # [gate 128; up 128] rows
     rank1 = weights[1]["layers.1.mlp.gate_up.weight"].T          # [gate 64; up 64] of rank 1
     np.testing.assert_array_equal(rank1, np.concatenate([gate_up[64:128], gate_up[192:256]]))
-    assert sum(n.op_type == "AllReduce" for n in ranks[0].graph.node) == 2 * 2
 
 
 def test_inspect_reports_config_versions_plan_and_ops(tiny, monkeypatch, capsys):
@@ -147,13 +155,19 @@ def test_failed_build_leaves_nothing(tiny, tmp_path):
     from safetensors.numpy import save_file
 
     from engine.builder.build import build_engine
+    from engine.core.artifacts import load_checkpoint_config, save_sealed
     from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(tiny.checkpoint(LLAMA), ckpt_dir)
     tensors = load_file(str(ckpt_dir / "rank0.safetensors"))
     del tensors["layers.1.mlp.down.weight"]
     save_file(tensors, str(ckpt_dir / "rank0.safetensors"))
-    with pytest.raises(EngineError, match="lacks layers.1.mlp.down.weight"):
+    with pytest.raises(EngineError, match="rank0.safetensors: size"):  # the manifest sees the edit first
+        build_engine(ckpt_dir, tmp_path / "engine", TEST_BUILD, ALL_PLUGINS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    ckpt = load_checkpoint_config(ckpt_dir)  # a manifest that agrees: the build itself fails, and cleans up
+    save_sealed(ckpt_dir, ckpt, source_digest=ckpt.manifest.source_digest)
+    with pytest.raises(EngineError, match="rank0.safetensors holds 131392 weights"):
         build_engine(ckpt_dir, tmp_path / "engine", TEST_BUILD, ALL_PLUGINS)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 

@@ -94,6 +94,19 @@ def test_lowerings_agree_on_random_positions():
     assert not np.allclose(a, x, atol=1e-3)   # positions really rotate
 
 
+@pytest.mark.parametrize("plugin", [False, True])
+def test_step_may_pack_more_tokens_than_the_tables_hold(plugin):
+    """A step of many short sequences packs more tokens (max_num_tokens) than one sequence may hold (max_seq_len,
+    the tables' length): positions stay below the tables, the packed count does not."""
+    rng = np.random.default_rng(7)
+    cos, sin = rotary_tables(64, ROPES["default"], 16)
+    positions = packed_positions([(16, 16)] * 5)           # 80 tokens, tables of 16 positions
+    x = rng.standard_normal((80, 2 * 64)).astype(np.float32)
+    y = run_op(lambda g, x, p: rotary(g, x, p, g.weight("c", cos), g.weight("s", sin), num_heads=2, head_dim=64,
+                                      name="/r", plugin=plugin), {"x": x, "positions": positions})
+    assert_close(y, rotary_ref(x, positions, cos, sin, 2, 64))
+
+
 def test_plugin_node_names():
     cos = np.zeros((4, 4), np.float32)
     names = node_names(lambda g, x, p: rotary(g, x, p, g.weight("c", cos), g.weight("s", cos), num_heads=2,

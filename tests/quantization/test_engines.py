@@ -110,7 +110,7 @@ def test_group_size_must_divide_in_features(tiny, tmp_path):
     with pytest.raises(EngineError, match="group size 128 does not divide the 64 input features of attention.qkv"):
         build_engine(tiny.checkpoint("LlamaForCausalLM"), tmp_path / "e", TEST_BUILD, ALL_PLUGINS,
                      quant=QuantConfig(mode="int4_wo", group_size=128))
-    with pytest.raises(EngineError, match="int4_awq is not implemented yet"):
+    with pytest.raises(EngineError, match="w4a8_awq is not implemented yet"):
         build_engine(tiny.checkpoint("LlamaForCausalLM"), tmp_path / "e", TEST_BUILD, ALL_PLUGINS,
-                     quant=QuantConfig(mode="int4_awq"))
+                     quant=QuantConfig(mode="w4a8_awq"))
     assert not (tmp_path / "e").exists()

@@ -52,7 +52,9 @@ def test_split_dtype():
     assert modes.split_dtype("int8_wo") == ("float32", "int8_wo")
     assert modes.split_dtype("int4_wo") == ("float32", "int4_wo")
     assert modes.split_dtype("bf16") == ("bfloat16", None)
-    for planned in ("int4_awq", "fp8", "int8_sq"):
+    for calibrated in ("int4_awq", "fp8", "int8_sq"):
+        assert modes.split_dtype(calibrated) == ("float32", calibrated)
+    for planned in ("w4a8_awq", "nvfp4"):
         with pytest.raises(EngineError, match="not implemented yet"):
             modes.split_dtype(planned)
     with pytest.raises(EngineError, match="'int3_wo' is unknown"):
@@ -76,4 +78,7 @@ def test_resolve_defaults_and_checks():
     with pytest.raises(EngineError, match="accuracy-level 3"):
         modes.resolve(QuantConfig(mode="int4_wo", accuracy_level=3), m, 1)
     with pytest.raises(EngineError, match="not implemented yet"):
-        modes.resolve(QuantConfig(mode="fp8"), m, 1)
+        modes.resolve(QuantConfig(mode="nvfp4"), m, 1)
+    # int4_awq: ModelOpt's block size 128 at most, the largest that divides 576 and 1536
+    assert modes.resolve(QuantConfig(mode="int4_awq"), m, 1).group_size == 64
+    assert modes.resolve(QuantConfig(mode="fp8"), m, 1) == QuantConfig(mode="fp8")

