@@ -58,12 +58,9 @@ def bench_command(
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
     max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
     threads: Optional[int] = options.THREADS,
-    max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size", help="Sequences per engine step "
-                                                 "(default: the engine's build limit)."),
-    max_num_tokens: Optional[int] = typer.Option(None, "--max-num-tokens", help="Token budget of one engine step "
-                                                 "(default: the engine's build limit)."),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV cache of "
-                                        "prompt prefixes shared between requests (default: on)."),
+    max_num_tokens: Optional[int] = options.MAX_NUM_TOKENS,
+    max_batch_size: Optional[int] = options.MAX_BATCH_SIZE,
+    prefix_caching: bool = options.PREFIX_CACHING,
 ):
     """Measure an engine's throughput or latency: tokens/s, TTFT, TPOT, inter-token latency, memory."""
     from engine.runtime import LLM, Tokenizer

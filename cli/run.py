@@ -72,12 +72,9 @@ def run_command(
     kv_cache_memory_bytes: Optional[str] = typer.Option(None, "--kv-cache-memory-bytes", help="KV cache size in "
                                                         "bytes, e.g. 536870912, 512MiB or 2GB; overrides "
                                                         "--kv-cache-mem-fraction (default: none)."),
-    max_num_tokens: Optional[int] = typer.Option(None, "--max-num-tokens", help="Token budget of one engine step "
-                                                 "(prefill chunks + decodes) (default: the engine's build limit)."),
-    max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size", help="Sequences per engine step "
-                                                 "(default: the engine's build limit)."),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV cache "
-                                        "of prompt prefixes shared between requests (default: on)."),
+    max_num_tokens: Optional[int] = options.MAX_NUM_TOKENS,
+    max_batch_size: Optional[int] = options.MAX_BATCH_SIZE,
+    prefix_caching: bool = options.PREFIX_CACHING,
     scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help="fcfs (arrival order) or priority "
                                           "(lower --priority first, ties by arrival) (default: fcfs)."),
     priority: Optional[list[int]] = typer.Option(None, "--priority", help="Priority of the prompts, lower runs "

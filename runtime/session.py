@@ -55,18 +55,10 @@ class EngineSession:
         self._binding = self._session.io_binding()
         # Logits first: IOBinding.get_outputs() returns outputs in binding order, and rebinding keeps the place.
         self._binding.bind_output(LOGITS)
-        self.kv_pool: list[tuple[np.ndarray, np.ndarray]] = []
-        self._pool_values = []
-        for i in range(model.num_layers):
-            k = np.zeros((slots, kv_size), dtype=np.float32)
-            v = np.zeros((slots, kv_size), dtype=np.float32)
-            self.kv_pool.append((k, v))
-            for arr, name_in, name_out in ((k, kcache_name(i), kcache_out_name(i)),
-                                           (v, vcache_name(i), vcache_out_name(i))):
-                value = ort.OrtValue.ortvalue_from_numpy(arr)  # shares arr's memory
-                self._pool_values.append(value)
-                self._binding.bind_ortvalue_input(name_in, value)
-                self._binding.bind_ortvalue_output(name_out, value)
+        self.kv_pool, self._pool_values = allocate_kv_pool(model.num_layers, slots, kv_size)
+        for name_in, (name_out, value) in self._pool_values.items():
+            self._binding.bind_ortvalue_input(name_in, value)
+            self._binding.bind_ortvalue_output(name_out, value)
 
     def run(self, chunks: list[SeqChunk]) -> np.ndarray:
         """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
@@ -80,6 +72,20 @@ class EngineSession:
         logits = self._binding.get_outputs()[0].numpy()
         return logits[:, :self.config.model.vocab_size]
 
+
+def allocate_kv_pool(num_layers: int, slots: int, kv_size: int
+                     ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, tuple[str, ort.OrtValue]]]:
+    """Zeroed K/V pools per layer (zeros, not np.empty: padded kv_slots read slot 0, and 0 * NaN leaks), and for
+    each pool input name its aliased output name and an OrtValue sharing the array's memory, to bind as both."""
+    pool, values = [], {}
+    for i in range(num_layers):
+        k = np.zeros((slots, kv_size), dtype=np.float32)
+        v = np.zeros((slots, kv_size), dtype=np.float32)
+        pool.append((k, v))
+        for arr, name_in, name_out in ((k, kcache_name(i), kcache_out_name(i)),
+                                       (v, vcache_name(i), vcache_out_name(i))):
+            values[name_in] = (name_out, ort.OrtValue.ortvalue_from_numpy(arr))
+    return pool, values
 
 def load_ort_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of the graph `path`; a truncated or corrupt graph or external-data file (ORT

@@ -21,17 +21,17 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from engine.core.engine_config import (LOGITS, EngineConfig, allreduce_name, kcache_name, kcache_out_name,
-                                       num_segments, segment_file, vcache_name, vcache_out_name)
+from engine.core.engine_config import LOGITS, EngineConfig, allreduce_name, num_segments, segment_file
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
 from ..engine_dir import REBUILD
+from ..session import allocate_kv_pool, load_ort_session
 
 
 class _Segment:
     def __init__(self, path: Path, options: ort.SessionOptions):
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.session = load_ort_session(path, options)
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.binding = self.session.io_binding()
@@ -62,18 +62,8 @@ class RankShard:
 
         kv_size = kv_heads_per_rank(model, tp) * model.head_dim
         slots = num_blocks * build.tokens_per_block
-        self.kv_pool: list[tuple[np.ndarray, np.ndarray]] = []
-        self._pool_values = []
-        pools = {}
-        for i in range(model.num_layers):
-            k = np.zeros((slots, kv_size), dtype=np.float32)
-            v = np.zeros((slots, kv_size), dtype=np.float32)
-            self.kv_pool.append((k, v))
-            for arr, name_in, name_out in ((k, kcache_name(i), kcache_out_name(i)),
-                                           (v, vcache_name(i), vcache_out_name(i))):
-                value = ort.OrtValue.ortvalue_from_numpy(arr)  # shares arr's memory
-                self._pool_values.append(value)
-                pools[name_in] = (name_out, value)
+        self.kv_pool, pools = allocate_kv_pool(model.num_layers, slots, kv_size)
+        self._pool_values = pools   # keeps the OrtValues alive as long as the bindings
         self.hidden_size = model.hidden_size
         self._buffers = [np.zeros((build.max_num_tokens, model.hidden_size), dtype=np.float32) for _ in range(2)]
 

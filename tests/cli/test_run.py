@@ -2,14 +2,12 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli.engine_cli import ENGINE, assert_one_line_error, engine_cmd
 from tests.runtime.tiny_engine import build_tiny_engine
-
-ENGINE = [str(Path(sys.executable).parent / "engine")]
 
 
 @pytest.fixture(scope="module")
@@ -18,18 +16,7 @@ def engine_dir(tmp_path_factory) -> Path:
 
 
 def run(engine_dir, *args, check_rc=0):
-    r = subprocess.run(ENGINE + ["run", "--engine-dir", str(engine_dir), "--max-kv-tokens", "512", *args],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
-    assert r.returncode == check_rc, f"rc {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
-    return r
-
-
-def assert_one_line_error(r, *needles):
-    err = r.stderr.strip()
-    assert "Traceback" not in r.stderr and "\n" not in err, r.stderr
-    assert err.startswith("error:"), err
-    for n in needles:
-        assert n in err, err
+    return engine_cmd("run", engine_dir, *args, check_rc=check_rc)
 
 
 def test_batch_output_json_matches_the_python_api(engine_dir, tmp_path):
