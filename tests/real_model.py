@@ -91,3 +91,16 @@ def smollm2_hf_dir(root: Path | None = None) -> Path:
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf_dir())
+
+
+def next_token_after_france(engine_dir: Path) -> str:
+    """The engine's greedy next token after the chat question "What is the capital of France?" and the forced
+    start "The capital of France is" (teacher-forced: the float32 answer run freely starts on a near-tie)."""
+    from engine.runtime.perplexity import ScoringSession
+    from engine.runtime.tokenizer import Tokenizer
+    tok = Tokenizer(engine_dir)
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids += tok.encode("The capital of France is", add_special_tokens=False)
+    logits = ScoringSession(engine_dir, len(ids)).logits(ids)[-1]
+    return tok.decode([int(logits.argmax())])
+

@@ -10,17 +10,16 @@ import hashlib
 import io
 import json
 import os
-import pty
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from engine.cli.app import main
 from engine.core.errors import EngineError
+from tests.cli.engine_cli import run_with_terminal_stderr
 from tests.tiny_models import make_tiny_model
 
 ENGINE = str(Path(sys.executable).with_name("engine"))
@@ -262,27 +261,9 @@ def test_json_output_in_a_pipe_is_only_the_document(root, tmp_path):
 
 def test_no_progress_keeps_the_bar_off_on_a_terminal(root, tmp_path):
     """stderr is a pseudo-terminal, where the bar would show (tests/cli/test_cli.py); --no-progress keeps it off."""
-    master, slave = pty.openpty()
-    received = bytearray()
-
-    def drain():
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO once the child closed its end
-                return
-            if not chunk:
-                return
-            received.extend(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE")}
-    r = subprocess.run([ENGINE, "convert", "--model-dir", str(root / "hf"), "--output-dir", str(tmp_path / "c"),
-                        "--tp", "2", "--no-progress"], stdout=subprocess.PIPE, stderr=slave, text=True,
-                       env={**env, "TERM": "xterm-256color", "COLUMNS": "120"}, timeout=300)
-    os.close(slave)
-    reader.join(timeout=10)
-    os.close(master)
+    r, received = run_with_terminal_stderr(
+        [ENGINE, "convert", "--model-dir", str(root / "hf"), "--output-dir", str(tmp_path / "c"), "--tp", "2",
+         "--no-progress"], env={**env, "TERM": "xterm-256color", "COLUMNS": "120"}, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("converted")
-    assert received == b"", bytes(received)
+    assert received == b"", received

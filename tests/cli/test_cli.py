@@ -7,20 +7,19 @@ what a pipe or a pseudo-terminal receives) run the installed `engine` script in 
 from __future__ import annotations
 
 import os
-import pty
 import re
 import resource
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 from engine.cli.app import main
+from tests.cli.engine_cli import run_with_terminal_stderr
 from tests.tiny_models import make_tiny_model
 
 ENGINE = str(Path(sys.executable).with_name("engine"))
@@ -219,26 +218,9 @@ def test_piped_output_is_one_clean_line(tiny, tmp_path, force_color):
 
 def test_terminal_shows_the_progress_bar_then_the_success_line(tiny, tmp_path):
     out_dir = tmp_path / "out"
-    master, slave = pty.openpty()
-    received = bytearray()
-
-    def drain():
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO once the child closed its end
-                return
-            if not chunk:
-                return
-            received.extend(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    r = subprocess.run([ENGINE, "convert", "--model-dir", str(tiny), "--output-dir", str(out_dir), "--tp", "2"],
-                       stdout=subprocess.PIPE, stderr=slave, text=True, env=plain_env(COLUMNS="120"), timeout=120)
-    os.close(slave)
-    reader.join(timeout=10)
-    os.close(master)
+    r, received = run_with_terminal_stderr(
+        [ENGINE, "convert", "--model-dir", str(tiny), "--output-dir", str(out_dir), "--tp", "2"],
+        env=plain_env(COLUMNS="120"), timeout=120)
     assert r.returncode == 0
     assert SUCCESS.match(r.stdout.rstrip("\n")), repr(r.stdout)  # the bar went to the terminal, not stdout
     terminal = received.decode(errors="replace")

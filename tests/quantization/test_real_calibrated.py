@@ -16,6 +16,7 @@ from engine.core.config import QuantConfig
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.quantization.accuracy import AccuracyOptions
 from engine.quantization.calibrate import CalibrationOptions
+from tests.real_model import next_token_after_france
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +42,7 @@ def engines(smollm2_checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", sorted(TARGET))
 def test_knows_the_capital_of_france(engines, mode):
-    from engine.runtime.perplexity import ScoringSession
-    from engine.runtime.tokenizer import Tokenizer
-    tok = Tokenizer(engines / mode)
-    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    ids += tok.encode("The capital of France is", add_special_tokens=False)
-    logits = ScoringSession(engines / mode, len(ids)).logits(ids)[-1]
-    assert tok.decode([int(logits.argmax())]) == " Paris"
+    assert next_token_after_france(engines / mode) == " Paris"
 
 
 # Measured with this module's 16 x 128 calibration (report on 2040 self-sampled tokens, float32 ppl 35.99):

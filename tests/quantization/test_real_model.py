@@ -23,6 +23,7 @@ from engine.builder.onnxruntime_backend import op_counts
 from engine.core.config import QuantConfig
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.quantization.accuracy import AccuracyOptions
+from tests.real_model import next_token_after_france
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +48,7 @@ def engines(smollm2_checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", sorted(TARGET))
 def test_knows_the_capital_of_france(engines, mode):
-    from engine.runtime.perplexity import ScoringSession
-    from engine.runtime.tokenizer import Tokenizer
-    tok = Tokenizer(engines / mode)
-    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    ids += tok.encode("The capital of France is", add_special_tokens=False)
-    logits = ScoringSession(engines / mode, len(ids)).logits(ids)[-1]
-    assert tok.decode([int(logits.argmax())]) == " Paris"
+    assert next_token_after_france(engines / mode) == " Paris"
 
 
 def test_int4_answers_the_capital_of_france(engines):
