@@ -2,10 +2,13 @@
 
     EngineSession(engine_dir, num_blocks)        loads rank0.onnx (already optimized at build: optimizations off),
                                                  refusing files that differ from the manifest (hashed meanwhile)
-        pool: kcache.{i}, vcache.{i}  np.float32 [num_blocks * tokens_per_block, kv_size], allocated once
+        pool: kcache.{i}, vcache.{i}  [num_blocks * tokens_per_block, kv_size] of the engine's KV dtype (float32,
+              or int8 for --kv-cache-dtype int8: the graph quantizes and dequantizes), allocated once
               each bound with IOBinding as both the graph input and its aliased output kcache_out.{i}, so
               ORT's ScatterND writes the step's K/V into the pool in place (no copy of the pool per step)
-    run(chunks) -> logits [chunks wanting logits, vocab_size]
+    run(chunks) -> logits [chunks wanting logits, vocab_size]; ORT writes them into one buffer allocated here
+                   [max_batch_size, vocab_padded] (no per-step output allocation, no wrapping of the 61 bound
+                   outputs that IOBinding.get_outputs() does); run returns a copy of the rows it filled
 
 The session knows blocks only as ids; which sequence owns which block is the block manager's business.
 It must not import builder/, recipes/ or torch.
@@ -17,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engine.core.engine_config import (LOGITS, EngineConfig, engine_file, kcache_name, kcache_out_name,
-                                       vcache_name, vcache_out_name)
+from engine.core.engine_config import (LOGITS, LOGITS_INDICES, EngineConfig, engine_file, kcache_name,
+                                       kcache_out_name, vcache_name, vcache_out_name)
 from engine.core.errors import EngineError
-from engine.core.parallel import kv_heads_per_rank
+from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 
 from .engine_dir import load_runnable_engine, verifying_files
 from .step_inputs import SeqChunk, check_step, make_step_inputs
@@ -53,9 +56,9 @@ class EngineSession:
         kv_size = kv_heads_per_rank(model, 1) * model.head_dim
         slots = num_blocks * self.tokens_per_block
         self._binding = self._session.io_binding()
-        # Logits first: IOBinding.get_outputs() returns outputs in binding order, and rebinding keeps the place.
-        self._binding.bind_output(LOGITS)
-        self.kv_pool, self._pool_values = allocate_kv_pool(model.num_layers, slots, kv_size)
+        self._logits = np.empty((build.max_batch_size, padded_vocab_size(model, 1)), dtype=np.float32)
+        self.kv_pool, self._pool_values = allocate_kv_pool(model.num_layers, slots, kv_size,
+                                                           kv_pool_dtype(build.kv_cache_dtype))
         for name_in, (name_out, value) in self._pool_values.items():
             self._binding.bind_ortvalue_input(name_in, value)
             self._binding.bind_ortvalue_output(name_out, value)
@@ -67,20 +70,32 @@ class EngineSession:
         for name, array in inputs.items():
             if name in self._input_names:
                 self._binding.bind_cpu_input(name, array)
-        self._binding.bind_output(LOGITS)
+        rows = len(inputs[LOGITS_INDICES])
+        self._binding.bind_output(LOGITS, "cpu", 0, np.float32, [rows, self._logits.shape[1]],
+                                  self._logits.ctypes.data)
         self._session.run_with_iobinding(self._binding)
-        logits = self._binding.get_outputs()[0].numpy()
-        return logits[:, :self.config.model.vocab_size]
+        return self._logits[:rows, :self.config.model.vocab_size].copy()
 
 
-def allocate_kv_pool(num_layers: int, slots: int, kv_size: int
+# the pool element of each --kv-cache-dtype an engine may have (quantization/kv_cache.py builds them)
+KV_POOL_DTYPES = {"float32": np.float32, "int8": np.int8}
+
+
+def kv_pool_dtype(kv_cache_dtype: str) -> type:
+    if kv_cache_dtype not in KV_POOL_DTYPES:
+        raise EngineError(f"the engine's KV cache dtype {kv_cache_dtype!r} is not one this runtime runs "
+                          f"({', '.join(KV_POOL_DTYPES)}); rebuild the engine with this toolchain")
+    return KV_POOL_DTYPES[kv_cache_dtype]
+
+
+def allocate_kv_pool(num_layers: int, slots: int, kv_size: int, dtype: type = np.float32
                      ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, tuple[str, ort.OrtValue]]]:
     """Zeroed K/V pools per layer (zeros, not np.empty: padded kv_slots read slot 0, and 0 * NaN leaks), and for
     each pool input name its aliased output name and an OrtValue sharing the array's memory, to bind as both."""
     pool, values = [], {}
     for i in range(num_layers):
-        k = np.zeros((slots, kv_size), dtype=np.float32)
-        v = np.zeros((slots, kv_size), dtype=np.float32)
+        k = np.zeros((slots, kv_size), dtype=dtype)
+        v = np.zeros((slots, kv_size), dtype=dtype)
         pool.append((k, v))
         for arr, name_in, name_out in ((k, kcache_name(i), kcache_out_name(i)),
                                        (v, vcache_name(i), vcache_out_name(i))):

@@ -1,0 +1,107 @@
+"""The serving goal of issue #7, side by side: 32 concurrent streams through `engine serve` against
+onnxruntime-genai generating a batch of 8, on the same prompts, same lengths, same thread count.
+
+    .venv/bin/python bench/serve_vs_genai.py --pair .cache/bench/engines/int4-lmq=.cache/bench/ortgenai-0.18.0/int4 \
+        [--pair ENGINE_DIR=GENAI_DIR ...] [--streams 32] [--genai-batch 8] [--input-len 128] [--output-len 128]
+        [--threads 2] [--repeats 2]
+
+Engine: `engine serve` started by bench/serve.py's start_server, `streams` prompts sent at once as
+/v1/completions streams (greedy, ignore_eos), total output tokens over the wall time of the whole round.
+onnxruntime-genai: prompts in batches of `genai_batch` (one Generator each: append_tokens of the [batch, input_len]
+ids, then generate_next_token until every row has `output_len` new tokens), total output tokens over the wall
+time of all batches, so both sides produce the same tokens from the same prompts. Prompts are random token ids of
+equal length (no padding on either side); each repeat uses fresh ones (the server keeps its prefix cache).
+Medians over --repeats; writes bench/results/serve_vs_genai.json. bench/compare.py builds the engines and the
+onnxruntime-genai models under .cache/bench.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve import run_clients, start_server  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
+
+def genai_round(model_dir: Path, prompts: list[list[int]], batch: int, output_len: int, threads: int) -> dict:
+    """onnxruntime-genai over `prompts` in batches of `batch`: output tokens per second of the whole round."""
+    import onnxruntime_genai as og
+    cfg = og.Config(str(model_dir))
+    cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    model = og.Model(cfg)
+    produced = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ids = np.array(prompts[i:i + batch], dtype=np.int32)
+        params = og.GeneratorParams(model)
+        length = ids.shape[1] + output_len
+        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=len(ids))
+        g = og.Generator(model, params)
+        g.append_tokens(ids)
+        while not g.is_done():
+            g.generate_next_token()
+        produced += sum(len(g.get_sequence(r)) - ids.shape[1] for r in range(len(ids)))
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "output_tokens": produced, "output_tok_s": produced / wall}
+
+
+def engine_round(url: str, prompts: list[list[int]], output_len: int) -> dict:
+    return asyncio.run(run_clients(url, "bench", prompts, output_len, concurrency=len(prompts)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pair", action="append", required=True, help="ENGINE_DIR=GENAI_MODEL_DIR")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--genai-batch", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    rows = []
+    for pair in args.pair:
+        engine_dir, genai_dir = (Path(p) for p in pair.split("=", 1))
+        from engine.runtime.engine_dir import load_engine_config
+        cfg = load_engine_config(engine_dir)
+        max_kv = max(args.streams * (args.input_len + args.output_len + 32), cfg.build.max_seq_len)
+        rounds = [[rng.integers(100, 30000, args.input_len).tolist() for _ in range(args.streams)]
+                  for _ in range(args.repeats)]
+        ours, peer = [], []
+        proc, url = start_server(engine_dir, max_kv, args.threads)
+        try:
+            for i, prompts in enumerate(rounds):    # interleaved, so drifting load hits both
+                ours.append(engine_round(url, prompts, args.output_len))
+                print(f"{engine_dir.name} round {i}: {ours[-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
+                peer.append(genai_round(genai_dir, prompts, args.genai_batch, args.output_len, args.threads))
+                print(f"genai {genai_dir.name} round {i}: {peer[-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        e = statistics.median(r["output_tok_s"] for r in ours)
+        g = statistics.median(r["output_tok_s"] for r in peer)
+        rows.append({"engine": str(engine_dir), "genai": str(genai_dir), "engine_tok_s": e, "genai_tok_s": g,
+                     "ratio": e / g, "engine_runs": ours, "genai_runs": peer})
+    print(f"\n{args.streams} streams through engine serve vs onnxruntime-genai batch {args.genai_batch}; "
+          f"{args.input_len} in / {args.output_len} out, {args.threads} threads, median of {args.repeats}:")
+    print("| engine | onnxruntime-genai | engine tok/s | genai tok/s | ratio (goal >= 3x) |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['genai']} | {r['engine_tok_s']:.1f} | {r['genai_tok_s']:.1f} | "
+              f"{r['ratio']:.2f}x |")
+    out = Path(__file__).parent / "results" / "serve_vs_genai.json"
+    out.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
