@@ -10,8 +10,9 @@ Each request is a /v1/completions stream of `input-len` random token ids with ig
 second over the wall time. With --engine-dir the script starts `engine serve` itself (127.0.0.1, a free port)
 and, as a baseline in the same script, runs the same prompts through the in-process async LLM API at the same
 concurrency (no HTTP), so the table shows what the server costs. Each repeat uses fresh random prompts (the server's
-prefix cache persists across repeats) and runs server then baseline. Medians over --repeats runs; writes
-bench/results/serve_<name>.json.
+prefix cache persists across repeats) and runs server then baseline (--no-baseline: server only). Medians over
+--repeats runs. With --engine-dir, the server's memory after the runs is checked against the serving-memory goal
+(RSS <= weights + KV pool + 300 MB; bench/serve_memory.py). Writes bench/results/serve_<name>.json.
 """
 from __future__ import annotations
 
@@ -147,6 +148,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--name", default="smollm2")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the in-process API baseline")
     args = ap.parse_args()
     if (args.engine_dir is None) == (args.url is None):
         ap.error("give exactly one of --engine-dir (start a server) and --url (use a running one)")
@@ -160,7 +162,7 @@ def main() -> None:
     rounds = [[rng.integers(100, min(vocab, 30000), args.input_len).tolist() for _ in range(args.num_prompts)]
               for _ in range(args.repeats)]
     runs, base = [], []
-    proc = None
+    proc, memory = None, None
     url = args.url
     try:
         if args.engine_dir is not None:
@@ -168,17 +170,20 @@ def main() -> None:
         for i, prompts in enumerate(rounds):   # server and baseline interleaved, so drifting load hits both
             runs.append(asyncio.run(run_clients(url, args.model, prompts, args.output_len, args.concurrency)))
             print(f"server run {i}: {runs[-1]['output_tok_s']:.1f} output tok/s", file=sys.stderr)
-            if args.engine_dir is not None:
+            if args.engine_dir is not None and not args.no_baseline:
                 base.append(baseline(args.engine_dir, prompts, args.output_len, args.concurrency, max_kv,
                                      args.threads))
                 print(f"baseline run {i}: {base[-1]['output_tok_s']:.1f} output tok/s", file=sys.stderr)
+        if proc is not None:
+            from serve_memory import server_memory
+            memory = server_memory(proc.pid, args.engine_dir, max_kv)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
     result = {"config": vars(args) | {"engine_dir": str(args.engine_dir)}, "machine": platform.processor(),
-              "server_runs": runs, "server_median": med, "baseline_runs": base,
+              "server_runs": runs, "server_median": med, "baseline_runs": base, "server_memory": memory,
               "baseline_median": {k: statistics.median(b[k] for b in base) for k in base[0]} if base else None}
     print(f"\n{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), concurrency "
           f"{args.concurrency}, median of {args.repeats}:")
@@ -190,6 +195,10 @@ def main() -> None:
     b = f"{bm['output_tok_s']:.1f}" if bm else "-"
     print(f"| output tok/s | {med['output_tok_s']:.1f} | | {b} | |")
     print(f"| requests/s | {med['requests_s']:.2f} | | {bm['requests_s']:.2f} | |" if bm else "")
+    if memory is not None:
+        print(f"server memory: peak RSS {memory['peak_rss_MB']} MB = weights {memory['weights_MB']} + KV touched "
+              f"{memory['kv_touched_MB']} (pool {memory['kv_pool_MB']}) + overhead {memory['overhead_MB']} MB; goal "
+              f"<= {memory['budget_MB']} MB: {'pass' if memory['pass'] else 'miss'}")
     out = Path(__file__).parent / "results" / f"serve_{args.name}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)

@@ -41,6 +41,7 @@ from engine.core.tensors import rank_elements
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, accuracy_report, check_gate, held_out_windows
 from engine.quantization import calibrated as calib
+from engine.quantization import kv_cache
 from engine.quantization.calibrate import CalibrationOptions
 from engine.quantization.weight_only import BITS
 from engine.runtime.engine_dir import backend_version, toolchain_version
@@ -53,7 +54,6 @@ from .model_graph import build_graph
 from .segments import save_segments
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
-KV_CACHE_DTYPES = ("float32",)
 
 
 def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
@@ -80,9 +80,7 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
                 f"--dtype {b.dtype} does this)" if b.dtype in modes.IMPLEMENTED + modes.PLANNED else "")
         raise EngineError(f"--dtype {b.dtype!r} is not a compute dtype; use one of {', '.join(DTYPES)}{hint}",
                           usage=True)
-    if b.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise EngineError(f"--kv-cache-dtype {b.kv_cache_dtype!r} is not supported yet (KV-cache quantization is "
-                          f"not implemented); use {', '.join(KV_CACHE_DTYPES)}", usage=True)
+    kv_cache.check_kv_cache_dtype(b.kv_cache_dtype, b.backend)
     if b.opt_level not in ortb.OPT_LEVELS:
         raise EngineError(f"ORT optimization level {b.opt_level!r} is unknown; use one of "
                           f"{', '.join(ortb.OPT_LEVELS)}", usage=True)
@@ -229,7 +227,7 @@ def build_rank(job: RankJob) -> int:
     tensors = rank_tensors(job.ckpt_dir, ckpt, job.build.tp_size, job.rank)
     if job.calibrated is not None:
         tensors = calib.CalibratedTensors(tensors, job.calibrated)
-    graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size, job.quant)
+    graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size, job.quant, job.rank)
     del tensors
     if job.build.tp_size > 1 and job.build.backend == "onnxruntime":
         save_segments(graph, job.out_dir, job.rank, num_layers=ckpt.model.num_layers, opt_level=job.build.opt_level)
@@ -293,15 +291,26 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant),
         precision=precision_of(ckpt, build, quant), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
+    kv_quantized = build.kv_cache_dtype != "float32"
     with atomic_output_dir(out_dir, force=force) as tmp:
         calibrated = None
+        float_tensors = (dict(rank_tensors(ckpt_dir, ckpt, 1, 0))
+                         if quant.mode in calib.CALIBRATED or kv_quantized else None)
         if quant.mode in calib.CALIBRATED:  # ModelOpt on a torch model of the checkpoint (quantization/calibrate.py)
             from engine.quantization.calibrate import calibrate
-            calibrated, record = calibrate(ckpt.model, dict(rank_tensors(ckpt_dir, ckpt, 1, 0)), quant,
+            calibrated, record = calibrate(ckpt.model, float_tensors, quant,
                                            calibration or CalibrationOptions(), Path(ckpt_dir),
                                            ckpt.generation.bos_token_id, build.max_seq_len)
             quant = dataclasses.replace(quant, calibration=record)
             config = dataclasses.replace(config, quantization=quant)
+        if kv_quantized:  # K/V absmax on the torch model of the float checkpoint (quantization/kv_cache.py)
+            record = kv_cache.calibrate_kv_scales(ckpt.model, float_tensors, build.kv_cache_dtype,
+                                                  calibration or kv_cache.KV_CALIBRATION, Path(ckpt_dir),
+                                                  ckpt.generation.bos_token_id, build.max_seq_len)
+            quant = dataclasses.replace(quant, kv_cache_dtype=build.kv_cache_dtype, kv_cache=record)
+            config = dataclasses.replace(config, quantization=quant,
+                                         precision={**config.precision, "kv_cache": kv_cache.describe(record)})
+        del float_tensors
         jobs = [RankJob(Path(ckpt_dir), tmp, r, build, plugins, quant, trt, calibrated=calibrated) for r in range(build.tp_size)]
         if workers > 1 and len(jobs) > 1:
             with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
@@ -318,11 +327,11 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         copy_tokenizer_files(ckpt_dir, tmp)
         # last: the manifest lists every other file (the accuracy report below changes config.json only)
         config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)
-        if quant.mode is not None and accuracy.eval_tokens and build.backend == "onnxruntime":
+        if (quant.mode is not None or kv_quantized) and accuracy.eval_tokens and build.backend == "onnxruntime":
             report = _accuracy(Path(ckpt_dir), tmp, config, accuracy)
             config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
             save_config(tmp, config)
-            check_gate(report, accuracy, quant.mode)
+            check_gate(report, accuracy, quant.mode or f"--kv-cache-dtype {build.kv_cache_dtype}")
     return config
 
 
@@ -334,12 +343,12 @@ def _accuracy(ckpt_dir: Path, engine_dir: Path, config: EngineConfig, opts: Accu
         return {"skipped": "tensor-parallel engines cannot be scored on this machine"}
     ref_dir = Path(tempfile.mkdtemp(prefix=".reference-", dir=engine_dir.parent))
     try:
-        reference = dataclasses.replace(config, quantization=QuantConfig(),
-                                        memory=memory_plan(config.model, config.build),
-                                        precision={})
-        build_rank(RankJob(ckpt_dir, ref_dir, 0, config.build, config.plugins))
+        build = dataclasses.replace(config.build, kv_cache_dtype="float32")   # float weights and float KV
+        reference = dataclasses.replace(config, build=build, quantization=QuantConfig(),
+                                        memory=memory_plan(config.model, build), precision={})
+        build_rank(RankJob(ckpt_dir, ref_dir, 0, build, config.plugins))
         save_sealed(ref_dir, reference)
-        windows, source = held_out_windows(opts, ref_dir, ckpt_dir, config.generation.bos_token_id)
-        return accuracy_report(ref_dir, engine_dir, windows, source)
+        held_out = held_out_windows(opts, ref_dir, ckpt_dir, config.generation.bos_token_id)
+        return accuracy_report(ref_dir, engine_dir, held_out)
     finally:
         shutil.rmtree(ref_dir, ignore_errors=True)

@@ -4,7 +4,8 @@
                           rotary tables, and weight-only quantized projections as packed integers plus one
                           float32 scale per group (a tied embedding quantized with lm_head is stored once,
                           plus a second copy of its scales that the gather reads)
-    KV per token          layers x (K + V) x kv_heads_per_rank x head_dim x kv dtype bytes
+    KV per token          layers x (K + V) x kv_heads_per_rank x head_dim x kv dtype bytes (float32 4, int8 1;
+                          the int8 scales are weights: 2 x kv_size float32 per layer, counted with them)
     activations (peak)    one step at max_num_tokens: the widest per-token tensors alive at once, plus the
                           attention scores and the gathered K/V of the largest step shape, plus the logits
 
@@ -19,7 +20,7 @@ from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, MemoryPlan
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
-from engine.quantization import calibrated
+from engine.quantization import calibrated, kv_cache
 from engine.quantization.weight_only import BITS, stored_bytes
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -91,7 +92,7 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
 def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | None = None) -> MemoryPlan:
     tp = build.tp_size
     compute = DTYPE_BYTES["float32"]  # ORT CPU computes in float32 whatever the checkpoint stores
-    kv_bytes = DTYPE_BYTES[build.kv_cache_dtype]
+    kv_bytes = kv_cache.BYTES[build.kv_cache_dtype]  # int8: 1 byte, 4x the tokens of float32 in the same memory
     kv_size = kv_heads_per_rank(model, tp) * model.head_dim
     kv_per_token = model.num_layers * 2 * kv_size * kv_bytes
     tokens = build.max_num_tokens
@@ -106,6 +107,8 @@ def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | Non
     logits = min(build.max_batch_size, tokens) * padded_vocab_size(model, tp) // tp
     activation = compute * (tokens * widest + scores + gathered_kv + logits)
     weights = rank_weight_bytes(model, tp, build.max_seq_len, quant)
+    if build.kv_cache_dtype != "float32":
+        weights += model.num_layers * 2 * kv_size * compute  # the K and V scales, per axis of a pool row
     return MemoryPlan(weight_bytes_per_rank=(weights,) * tp, activation_bytes=activation,
                       kv_bytes_per_token=kv_per_token, kv_bytes_per_block=kv_per_token * build.tokens_per_block)
 
@@ -116,7 +119,7 @@ def plan_rows(plan: MemoryPlan, build: BuildConfig) -> list[tuple[str, str]]:
     rows = [(f"weights, rank {r}", _size(b)) for r, b in enumerate(plan.weight_bytes_per_rank)]
     rows += [
         ("activations, peak of one step (estimate)", _size(plan.activation_bytes)),
-        ("KV cache per token (all layers, K+V)", _size(plan.kv_bytes_per_token)),
+        (f"KV cache per token (all layers, K+V, {build.kv_cache_dtype})", _size(plan.kv_bytes_per_token)),
         (f"KV cache per block ({build.tokens_per_block} tokens)", _size(plan.kv_bytes_per_block)),
         (f"KV cache for {build.max_batch_size} sequences x {build.max_seq_len} tokens", _size(full_batch)),
     ]

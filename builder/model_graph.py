@@ -33,6 +33,10 @@ Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's qu
 checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py; with quantize_lm_head a
 tied embedding reads the quantized lm_head's table (calibrated_gather), stored once; not under fp8 (ONNX Gather
 takes no float8 tensor), where the float32 embedding stays next to the fp8 lm_head.
+
+Quantized KV cache (BuildConfig.kv_cache_dtype int8): the pools kcache.{i} / vcache.{i} are int8, and each layer holds
+its K and V scales (layers.{i}.attention.kv_cache.{k,v}_scaling_factor, this rank's KV heads) for write_kv and
+paged_attention (plugins/attention.py), whatever the weights' mode.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ from engine.plugins.linear import linear, quantized_gather, quantized_linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
 from engine.quantization.calibrated import CALIBRATED, SHARED_TABLE
+from engine.quantization.kv_cache import layer_scales
 from engine.quantization.weight_only import BITS, WeightOnlyScheme, quantize
 
 from .graph import MS_DOMAIN, Graph
@@ -62,8 +67,12 @@ Tensors = MutableMapping[str, np.ndarray]
 
 class _Builder:
     def __init__(self, model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
-                 tp: int, quant: QuantConfig):
-        self.m, self.t, self.b, self.p, self.tp, self.q = model, tensors, build, plugins, tp, quant
+                 tp: int, quant: QuantConfig, rank: int = 0):
+        self.m, self.t, self.b, self.p, self.tp, self.q, self.rank = model, tensors, build, plugins, tp, quant, rank
+        # the pools' element type: float32, or int8 with the calibrated scales of quant.kv_cache (kv_cache.py)
+        self.kv_quantized = build.kv_cache_dtype != "float32"
+        assert not self.kv_quantized or quant.kv_cache, "an int8 KV cache needs its calibrated scales"
+        self.kv_type = TensorProto.INT8 if self.kv_quantized else TensorProto.FLOAT
         self.scheme = (WeightOnlyScheme(BITS[quant.mode], quant.group_size, quant.accuracy_level)
                        if quant.mode in BITS else None)
         # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales
@@ -139,7 +148,7 @@ class _Builder:
         node = self.g.nodes[-1]
         assert list(node.output) == [value], (node.name, value)
         node.output[0] = name
-        self.g.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["num_slots", kv_size]))
+        self.g.outputs.append(helper.make_tensor_value_info(name, self.kv_type, ["num_slots", kv_size]))
         return name
 
     # ---- graph ----------------------------------------------------------------------------------------------
@@ -158,8 +167,8 @@ class _Builder:
         g.input(ec.LOGITS_INDICES, i64, ["S"])
         kv = self.kv_heads * self.m.head_dim
         for i in range(self.m.num_layers):
-            g.input(ec.kcache_name(i), TensorProto.FLOAT, ["num_slots", kv])
-            g.input(ec.vcache_name(i), TensorProto.FLOAT, ["num_slots", kv])
+            g.input(ec.kcache_name(i), self.kv_type, ["num_slots", kv])
+            g.input(ec.vcache_name(i), self.kv_type, ["num_slots", kv])
 
     def rotary_caches(self) -> dict[str, tuple[str, str]]:
         """Rotary tables by layer type, shared by all layers of that type."""
@@ -213,16 +222,22 @@ class _Builder:
                         name=f"{pre}/attn/qk_rotary", plugin=p.rotary_plugin)
             q, k = g.node("Split", [qk, g.const([q_size, kv_size])], name=f"{pre}/attn/qk_split/Split",
                           outputs=2, axis=-1)
-        kc = self.cache_output(write_kv(g, ec.kcache_name(i), ec.SLOT_MAPPING, k, name=f"{pre}/attn/k_cache"),
-                               ec.kcache_out_name(i), kv_size)
-        vc = self.cache_output(write_kv(g, ec.vcache_name(i), ec.SLOT_MAPPING, v, name=f"{pre}/attn/v_cache"),
-                               ec.vcache_out_name(i), kv_size)
+        k_scale = v_scale = None
+        if self.kv_quantized:
+            ks, vs = layer_scales(self.q.kv_cache, m, i, self.tp, self.rank)
+            k_scale = g.weight(w + "attention.kv_cache.k_scaling_factor", ks)
+            v_scale = g.weight(w + "attention.kv_cache.v_scaling_factor", vs)
+        kc = self.cache_output(write_kv(g, ec.kcache_name(i), ec.SLOT_MAPPING, k, name=f"{pre}/attn/k_cache",
+                                        scale=k_scale), ec.kcache_out_name(i), kv_size)
+        vc = self.cache_output(write_kv(g, ec.vcache_name(i), ec.SLOT_MAPPING, v, name=f"{pre}/attn/v_cache",
+                                        scale=v_scale), ec.vcache_out_name(i), kv_size)
         attn = paged_attention(
             g, q, kc, vc, q_index=ec.Q_INDEX, kv_slots=ec.KV_SLOTS,
             mask=ec.ATTN_MASK_SLIDING if kind == "sliding" else ec.ATTN_MASK, out_index=ec.OUT_INDEX,
             num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd,
             scale=m.attention_scale if m.attention_scale is not None else hd ** -0.5,
-            softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin)
+            softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin,
+            k_scale=k_scale, v_scale=v_scale)
         out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:
@@ -303,7 +318,8 @@ class _Builder:
 
 
 def build_graph(model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
-                tp: int, quant: QuantConfig | None = None) -> Graph:
-    """The graph of one rank; consumes `tensors` (packed canonical names -> arrays of that rank). `quant` must be
-    resolved (quantization.modes.resolve) when it has a mode."""
-    return _Builder(model, tensors, build, plugins, tp, quant or QuantConfig()).build()
+                tp: int, quant: QuantConfig | None = None, rank: int = 0) -> Graph:
+    """The graph of rank `rank`; consumes `tensors` (packed canonical names -> arrays of that rank). `quant` must be
+    resolved (quantization.modes.resolve) when it has a mode, and hold the KV scales (quant.kv_cache) of an int8 KV
+    cache; the rank picks its KV heads' scales."""
+    return _Builder(model, tensors, build, plugins, tp, quant or QuantConfig(), rank).build()

@@ -40,8 +40,9 @@ def build_command(
                                        "sequences together (tokens); longer prompts are prefilled in chunks."),
     tokens_per_block: int = typer.Option(32, "--tokens-per-block", help="Tokens per KV-cache block (tokens, a "
                                          "power of two)."),
-    kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32 (quantized "
-                                       "KV caches are not supported yet)."),
+    kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32, or int8 (1 byte "
+                                       "per element, 4x the tokens in the same memory; per-KV-head scales calibrated "
+                                       "at build from --calib-data or sampled text). fp8 cannot run on onnxruntime."),
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32; float16/bfloat16 are accepted and "
                               "computed in float32 on ONNX Runtime CPU (see `engine inspect`). Quantized modes "
                               "(TensorRT-LLM names): int8_wo, int4_wo (weight-only RTN, quantized at build); "
@@ -55,13 +56,15 @@ def build_command(
     quant_accuracy_level: Optional[int] = typer.Option(None, "--quant-accuracy-level", help="MatMulNBits "
                                                        "accuracy_level: 0 float32 compute (true weight-only), 4 int8 "
                                                        "activations per block (fast).", show_default="4"),
-    calib_data: Optional[Path] = typer.Option(None, "--calib-data", help="int8_sq, fp8, int4_awq: calibration text "
-                                              "(.txt, or .jsonl with a \"text\" field per line).",
+    calib_data: Optional[Path] = typer.Option(None, "--calib-data", help="int8_sq, fp8, int4_awq, int8 KV cache: "
+                                              "calibration text (.txt, or .jsonl with a \"text\" field per line).",
                                               show_default="text sampled from the unquantized model itself (seeded)"),
-    calib_size: Optional[int] = typer.Option(None, "--calib-size", help="int8_sq, fp8, int4_awq: calibration "
-                                             "sequences.", show_default="512"),
-    calib_max_seq_len: Optional[int] = typer.Option(None, "--calib-max-seq-len", help="int8_sq, fp8, int4_awq: "
-                                                    "tokens per calibration sequence.", show_default="512"),
+    calib_size: Optional[int] = typer.Option(None, "--calib-size", help="int8_sq, fp8, int4_awq, int8 KV: "
+                                             "calibration sequences.",
+                                             show_default="512; 64 for an int8 KV cache alone"),
+    calib_max_seq_len: Optional[int] = typer.Option(None, "--calib-max-seq-len", help="int8_sq, fp8, int4_awq, "
+                                                    "int8 KV: tokens per calibration sequence.",
+                                                    show_default="512; 256 for an int8 KV cache alone"),
     eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Quantized builds: held-out text file for "
                                              "the accuracy report.", show_default="text sampled from the unquantized "
                                              "model itself (seeded)"),
@@ -111,6 +114,7 @@ def build_command(
     from engine.quantization import modes
     from engine.quantization.accuracy import AccuracyOptions
     from engine.quantization.calibrate import CalibrationOptions
+    from engine.quantization.kv_cache import KV_CALIBRATION
 
     if workers < 1:
         raise EngineError(f"--workers {workers} must be at least 1", usage=True)
@@ -122,19 +126,21 @@ def build_command(
         weight_only_quant_matmul_plugin=_switch("--weight-only-quant-matmul-plugin",
                                                 weight_only_quant_matmul_plugin))
     compute_dtype, mode = modes.split_dtype(dtype)
+    kv_quantized = kv_cache_dtype != "float32"   # calibrated and scored like a quantized --dtype
     if mode is None and (group_size is not None or quantize_lm_head or quant_accuracy_level is not None
-                         or max_ppl_increase is not None or eval_data is not None):
+                         or (not kv_quantized and (max_ppl_increase is not None or eval_data is not None))):
         raise EngineError(f"--group-size, --quantize-lm-head, --quant-accuracy-level, --eval-data and "
                           f"--max-ppl-increase apply to quantized builds; --dtype {dtype} is not one: pass "
                           f"--dtype {' or '.join(modes.IMPLEMENTED)}", usage=True)
     calib_flags = {"--calib-data": calib_data, "--calib-size": calib_size, "--calib-max-seq-len": calib_max_seq_len}
     given = [flag for flag, value in calib_flags.items() if value is not None]
-    if given and mode not in modes.CALIBRATED:
-        raise EngineError(f"{', '.join(given)} apply to calibrated builds (--dtype {', '.join(modes.CALIBRATED)}); "
-                          f"--dtype {dtype} is not one: leave them out", usage=True)
+    if given and mode not in modes.CALIBRATED and not kv_quantized:
+        raise EngineError(f"{', '.join(given)} apply to calibrated builds (--dtype {', '.join(modes.CALIBRATED)}, "
+                          f"or --kv-cache-dtype int8); --dtype {dtype} is not one: leave them out", usage=True)
     if calib_data is not None and not calib_data.is_file():
         raise EngineError(f"--calib-data {calib_data} is not a file; pass a UTF-8 .txt or .jsonl file", usage=True)
-    defaults = CalibrationOptions()
+    # a KV cache alone needs only absmax statistics: fewer sampled tokens than ModelOpt's weight calibration
+    defaults = CalibrationOptions() if mode in modes.CALIBRATED or not kv_quantized else KV_CALIBRATION
     calibration = CalibrationOptions(data=calib_data, size=defaults.size if calib_size is None else calib_size,
                                      max_seq_len=defaults.max_seq_len if calib_max_seq_len is None
                                      else calib_max_seq_len)
@@ -186,8 +192,10 @@ def build_command(
         return
     report = config.quantization.accuracy
     if "quantized_ppl" in report:
+        what = [config.quantization.mode] if config.quantization.mode else []
+        what += [f"{build.kv_cache_dtype} KV cache"] if build.kv_cache_dtype != "float32" else []
         Console(highlight=False, soft_wrap=True).print(
-            f"accuracy ({config.quantization.mode}): perplexity {report['reference_ppl']:.3f} -> "
+            f"accuracy ({' + '.join(what)}): perplexity {report['reference_ppl']:.3f} -> "
             f"{report['quantized_ppl']:.3f} ({report['ppl_increase_pct']:+.2f}%) on {report['tokens']} tokens, "
             f"{escape(report['data'])}")
     m = config.model

@@ -77,10 +77,11 @@ def inspect_command(
         ("source digest", config.manifest.source_digest or "(none)")]))
     console.print(_table("precision", config.precision.items()))
     q = config.quantization
-    if q.mode is not None:
+    if q.mode is not None or q.kv_cache:
         rows = [("mode", q.mode), ("group size", q.group_size), ("lm_head quantized", q.quantize_lm_head),
-                ("MatMulNBits accuracy_level", q.accuracy_level)]
+                ("MatMulNBits accuracy_level", q.accuracy_level)] if q.mode is not None else []
         rows += [(f"calibration: {k}", v) for k, v in q.calibration.items()]
+        rows += [(f"KV cache: {k}", v) for k, v in q.kv_cache.items() if k not in ("k_scale", "v_scale")]
         rows += [(f"accuracy: {k}", v) for k, v in q.accuracy.items()] or [("accuracy", "(not measured)")]
         console.print(_table("quantization", rows))
     console.print(_table("memory plan", plan_rows(config.memory, config.build)))

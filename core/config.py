@@ -102,7 +102,8 @@ class QuantConfig:
     Weight-only modes (quantization/modes.py): `group_size` input features share one scale; `quantize_lm_head`
     also quantizes lm_head (and, when tied, the embedding table that shares it); `accuracy_level` is ORT
     MatMulNBits' compute mode; `accuracy` is the build's perplexity report (quantization/accuracy.py); `calibration`
-    records the data of ModelOpt-calibrated modes (quantization/calibrate.py)."""
+    records the data of ModelOpt-calibrated modes (quantization/calibrate.py). `kv_cache_dtype` mirrors BuildConfig's
+when the KV cache is quantized, and `kv_cache` records its scales."""
     mode: str | None = None
     kv_cache_dtype: str | None = None
     group_size: int | None = None
@@ -110,6 +111,7 @@ class QuantConfig:
     accuracy_level: int | None = None
     accuracy: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # calibrated modes: the calibration data used
+    kv_cache: dict = field(default_factory=dict)  # int8 KV cache: its calibrated scales (quantization/kv_cache.py)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,12 @@ independent, so whatever such a row holds cannot reach a real token. Padded cont
 False mask: their weight is exactly 0, but 0 * NaN is NaN, so the pools must hold finite values in every slot
 (the runtime allocates them with zeros, not np.empty).
 
+Quantized pools (--kv-cache-dtype int8; scales from quantization/kv_cache.py, float32 [kv_size] per axis):
+
+    new K/V [T, kv*hd] ─QuantizeLinear(scale)─▶ int8 ─ScatterND─▶ kcache int8 ─Gather─▶ [B, Lmax, kv*hd] int8
+                                                                      ─DequantizeLinear(scale)─▶ float32 ─▶ attention
+Both lowerings read the same dequantized K/V, so the reference stays equivalent to the plugin.
+
 Lowerings: `plugin=True` is the standard opset-23 Attention op (GQA by q_num_heads/kv_num_heads, boolean mask,
 scale, softcap); `plugin=False` spells it out: explicit GQA head expansion, MatMul, softcap = c*tanh(s/c),
 Where(mask, s, -1e30), Softmax, MatMul.
@@ -24,6 +30,7 @@ Where(mask, s, -1e30), Softmax, MatMul.
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from engine.builder.graph import Graph, Scope
 from engine.core.errors import EngineError
@@ -33,18 +40,23 @@ from engine.core.errors import EngineError
 MASKED_SCORE = -1e30
 
 
-def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str) -> str:
+def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, scale: str | None = None) -> str:
     """ScatterND rows new [T, kv_size] into cache [num_slots, kv_size] at slot_mapping [T]; returns the updated
-    cache. The runtime binds the result to the buffer of `cache`, so ORT writes in place (DESIGN.md)."""
+    cache. The runtime binds the result to the buffer of `cache`, so ORT writes in place (DESIGN.md). With `scale`
+    (float32 [kv_size], an int8 pool) the rows are first quantized: round(new / scale) saturated to int8."""
     op = g.scope(name)
     index = op("Unsqueeze", [slot_mapping, g.const([1])])   # [T, 1]: one index tuple per row
+    if scale is not None:
+        new = op("QuantizeLinear", [new, scale], axis=-1, output_dtype=TensorProto.INT8)
     return op("ScatterND", [cache, index, new])
 
 
 def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str, kv_slots: str, mask: str,
                     out_index: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                    softcap: float | None, name: str, plugin: bool) -> str:
-    """q [T, num_heads*hd] (rotary applied), pools already holding this step's K/V -> [T, num_heads*hd]."""
+                    softcap: float | None, name: str, plugin: bool, k_scale: str | None = None,
+                    v_scale: str | None = None) -> str:
+    """q [T, num_heads*hd] (rotary applied), pools already holding this step's K/V -> [T, num_heads*hd]. With
+    k_scale / v_scale (int8 pools) only the gathered context is dequantized, never the pool."""
     if num_heads % num_kv_heads:
         raise EngineError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if softcap is not None and softcap <= 0:
@@ -53,6 +65,9 @@ def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str,
     qb = op("Gather", [q, q_index], axis=0)         # [B, Qmax, heads*hd]
     kb = op("Gather", [kcache, kv_slots], axis=0)   # [B, Lmax, kv*hd]
     vb = op("Gather", [vcache, kv_slots], axis=0)
+    if k_scale is not None:
+        kb = op("DequantizeLinear", [kb, k_scale], axis=-1)
+        vb = op("DequantizeLinear", [vb, v_scale], axis=-1)
     if plugin:
         attrs = {"softcap": float(softcap)} if softcap else {}
         out = op("Attention", [qb, kb, vb, mask], q_num_heads=num_heads, kv_num_heads=num_kv_heads,

@@ -7,6 +7,8 @@ unquantized reference on the same held-out tokens.
     report:           {"data", "tokens", "windows", "window", "reference_ppl", "quantized_ppl",
                        "ppl_increase_pct"}, written to config.json's quantization.accuracy
     gate:             --max-ppl-increase PCT fails the build when ppl_increase_pct exceeds it
+    cost:             sampled text is scored by the reference while it samples it (each token's log-probability
+                      under the distribution it was drawn from), so only the quantized engine runs a scoring pass
 
 Self-sampled text is what the reference model finds typical, so its perplexity is low and the increase
 measures how far the quantized model drifts from the reference's own distribution; a file of real text
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.errors import EngineError
-from engine.runtime.perplexity import perplexity, sample_tokens, split_windows
+from engine.runtime.perplexity import PerplexityResult, perplexity, sample_scored, split_windows
 
 
 @dataclass(frozen=True)
@@ -39,20 +41,27 @@ class AccuracyOptions:
             raise EngineError(f"--max-ppl-increase {self.max_ppl_increase} must not be negative", usage=True)
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    windows: list[list[int]]                  # token ids to score, each window a fresh sequence
+    source: str                               # where they came from, for the report
+    reference: PerplexityResult | None = None  # the reference's perplexity over them, when measured while sampling
+
+
 def held_out_windows(opts: AccuracyOptions, reference_dir: Path, tokenizer_dir: Path,
-                     start_token: int | None) -> tuple[list[list[int]], str]:
-    """The windows of token ids to score, and a description of where they came from."""
+                     start_token: int | None) -> HeldOut:
+    """The windows of token ids to score and where they came from (sampled: with the reference's perplexity)."""
     from engine.runtime.perplexity import max_window
     window = min(opts.window, max_window(reference_dir))
     if opts.eval_data is not None:
         ids = read_text_tokens(Path(opts.eval_data), tokenizer_dir)[:opts.eval_tokens]
-        return split_windows(ids, window), f"file {opts.eval_data}"
+        return HeldOut(split_windows(ids, window), f"file {opts.eval_data}")
     from engine.runtime.engine_dir import load_engine_config
     build = load_engine_config(reference_dir).build
     sequences = max(1, min(-(-opts.eval_tokens // window), build.max_batch_size))
-    windows = sample_tokens(reference_dir, sequences=sequences, length=window, seed=opts.seed,
-                            start_token=start_token if start_token is not None else 0)
-    return windows, f"sampled from the reference engine (seed {opts.seed}, temperature 1)"
+    windows, reference = sample_scored(reference_dir, sequences=sequences, length=window, seed=opts.seed,
+                                       start_token=start_token if start_token is not None else 0)
+    return HeldOut(windows, f"sampled from the reference engine (seed {opts.seed}, temperature 1)", reference)
 
 
 def read_text_tokens(path: Path, tokenizer_dir: Path) -> list[int]:
@@ -67,10 +76,12 @@ def read_text_tokens(path: Path, tokenizer_dir: Path) -> list[int]:
     return ids
 
 
-def accuracy_report(reference_dir: Path, quantized_dir: Path, windows: list[list[int]], source: str) -> dict:
-    ref = perplexity(reference_dir, windows)
+def accuracy_report(reference_dir: Path, quantized_dir: Path, held_out: HeldOut) -> dict:
+    windows = held_out.windows
+    ref = held_out.reference or perplexity(reference_dir, windows)
     quant = perplexity(quantized_dir, windows)
-    return {"data": source, "tokens": ref.tokens, "windows": ref.windows, "window": max(len(w) for w in windows),
+    return {"data": held_out.source, "tokens": ref.tokens, "windows": ref.windows,
+            "window": max(len(w) for w in windows),
             "reference_ppl": round(ref.perplexity, 4), "quantized_ppl": round(quant.perplexity, 4),
             "ppl_increase_pct": round(100.0 * (quant.perplexity / ref.perplexity - 1.0), 3)}
 

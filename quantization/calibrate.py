@@ -16,8 +16,9 @@ calibrated scales can never drift from the weights they belong to, and every reg
 through one canonical torch model instead of a transformers model per family. The scales are stored in the engine
 next to their weights (calibrated.py names), and the build records the calibration data in config.json.
 
-Activations of int8_sq are quantized dynamically per tensor at run time (ORT's DynamicQuantizeMatMul); ModelOpt's
-static per-tensor amax is not used, so only its smoothing and weight scales carry over. Embeddings and lm_head stay
+Activations of int8_sq are quantized dynamically at run time, one symmetric scale per token
+(plugins/calibrated_linear.py); ModelOpt's static per-tensor amax is not used, so only its smoothing and weight scales
+carry over. Embeddings and lm_head stay
 float32 (ModelOpt's default configs disable "*lm_head*") unless quantize_lm_head.
 """
 from __future__ import annotations

@@ -162,7 +162,7 @@ def precision(mode: str, group_size: int | None, accuracy_level: int | None, qua
         return {"weights": f"int8, one scale per output channel (int8_sq: SmoothQuant, ModelOpt-calibrated) in the "
                            f"layers' projections; {head}",
                 "activations": "float32; int8 into the projections: scaled by the SmoothQuant input scale, then "
-                               "quantized per tensor at run time (DynamicQuantizeMatMul)"}
+                               "quantized at run time with one scale per token (MatMulInteger, int32 accumulation)"}
     if mode == "fp8":
         return {"weights": f"float8 e4m3, one scale per tensor (fp8, ModelOpt-calibrated) in the layers' "
                            f"projections; {head}",

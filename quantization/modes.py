@@ -2,10 +2,11 @@
 
     int8_wo    W8A16 weight-only, RTN, one scale per group of input features (per-channel where ORT allows)
     int4_wo    W4A16 weight-only, RTN, group-wise (16..256; default 32)
-    int8_sq    W8A8 SmoothQuant: per-channel int8 weights, int8 activations (dynamic, per tensor); ModelOpt-calibrated
+    int8_sq    W8A8 SmoothQuant: per-channel int8 weights, int8 activations (dynamic, per token); ModelOpt-calibrated
     fp8        E4M3 weights and activations, per-tensor scales (static activation scale); ModelOpt-calibrated
     int4_awq   W4A16 AWQ: int4 weights per group (default 128, as ModelOpt; the largest that fits below it)
     w4a8_awq, nvfp4    named, refused until implemented
+The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
 Calibrated modes (quantization/calibrate.py) build tp 1 onnxruntime engines.
 
 Group size of int8_wo. TensorRT-LLM's int8_wo is per-channel (one scale per output row). MatMulNBits takes
@@ -75,9 +76,6 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
     if quant.mode is None:
         return quant
     split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
-    if quant.kv_cache_dtype is not None:
-        raise EngineError(f"KV-cache quantization ({quant.kv_cache_dtype}) is not implemented yet; build without it",
-                          usage=True)
     if quant.mode in CALIBRATED:
         return _resolve_calibrated(quant, model, tp)
     level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level

@@ -79,7 +79,11 @@ class LLM:
                                     max_num_tokens=max_num_tokens or b.max_num_tokens,
                                     policy=scheduling_policy,
                                     max_prefill_chunk_with_decodes=max_prefill_chunk_with_decodes)
-        self.tokenizer = Tokenizer(self.engine_dir)
+        # tokenizer.json (~0.15 s to parse) loads on another thread while the session loads the graph, which
+        # releases the GIL: a cold start pays for the longer of the two, not both
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-tokenizer")
+        tokenizer = loader.submit(Tokenizer, self.engine_dir)
+        loader.shutdown(wait=False)
         self.kv_plan: KVPlan = plan_kv_cache(self.config, kv_cache_mem_fraction=kv_cache_mem_fraction,
                                              max_kv_tokens=max_kv_tokens, kv_cache_bytes=kv_cache_memory_bytes)
         if self.config.mapping.world_size > 1:
@@ -93,6 +97,7 @@ class LLM:
             self.session = TrtSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks)
         else:
             self.session = EngineSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads)
+        self.tokenizer = tokenizer.result()
         eos = self.config.generation.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)

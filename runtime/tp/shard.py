@@ -26,7 +26,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
 from ..engine_dir import REBUILD
-from ..session import allocate_kv_pool, load_ort_session
+from ..session import allocate_kv_pool, kv_pool_dtype, load_ort_session
 
 
 class _Segment:
@@ -62,7 +62,7 @@ class RankShard:
 
         kv_size = kv_heads_per_rank(model, tp) * model.head_dim
         slots = num_blocks * build.tokens_per_block
-        self.kv_pool, pools = allocate_kv_pool(model.num_layers, slots, kv_size)
+        self.kv_pool, pools = allocate_kv_pool(model.num_layers, slots, kv_size, kv_pool_dtype(build.kv_cache_dtype))
         self._pool_values = pools   # keeps the OrtValues alive as long as the bindings
         self.hidden_size = model.hidden_size
         self._buffers = [np.zeros((build.max_num_tokens, model.hidden_size), dtype=np.float32) for _ in range(2)]

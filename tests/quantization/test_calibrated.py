@@ -19,7 +19,7 @@ from engine.core.errors import EngineError
 from engine.quantization import modes
 from engine.quantization.calibrate import CalibrationOptions, calibrated_model, read_calibration_tokens
 from engine.quantization.calibrated import pack_int4, quantize_weight
-from engine.quantization.torch_model import CanonicalLM, sample
+from engine.quantization.torch_model import CanonicalLM, KVCache, sample
 from engine.quantization.weight_only import QuantizedWeight, signed_values
 from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.session import EngineSession
@@ -55,11 +55,15 @@ def test_torch_model_matches_transformers(tiny, key):
     with torch.no_grad():
         ours = lm(torch.tensor([ids]))[0]
         ref = tiny.hf_model(key)(torch.tensor([ids])).logits[0]
-        cache = [None] * config.model.num_layers
-        stepped = torch.cat([lm(torch.tensor([ids[:20]]), 0, cache), lm(torch.tensor([ids[20:]]), 20, cache)], 1)[0]
+        stepped = {}
+        caches = {"buffers": KVCache(config.model, 1, len(ids)), "list": [None] * config.model.num_layers}
+        for kind, cache in caches.items():
+            stepped[kind] = torch.cat([lm(torch.tensor([ids[:20]]), 0, cache),
+                                       lm(torch.tensor([ids[20:]]), 20, cache)], 1)[0]
     scale = float(ref.abs().max())
     assert float((ours - ref).abs().max()) <= 1e-5 * scale
-    assert float((stepped - ours).abs().max()) <= 1e-5 * scale
+    for kind, logits in stepped.items():
+        assert float((logits - ours).abs().max()) <= 1e-5 * scale, kind
 
 
 def test_sampled_calibration_text_is_seeded(tiny):
@@ -98,18 +102,28 @@ def test_engine_matches_modelopt_fake_quant_model(tiny, mode):
 
 
 def test_int8_sq_kernel_matches_dequantize_reference(tiny):
-    """DynamicQuantizeMatMul against DynamicQuantizeLinear + DequantizeLinear + MatMul, run unoptimized."""
+    """MatMulInteger with per-token scales against QuantizeLinear + DequantizeLinear + float MatMul, unoptimized."""
     batch = prompts(2, (7, 19), seed=4)
     fused = _prefill(calibrated_engine(tiny, QWEN2, "int8_sq"), batch)
     reference = calibrated_engine(tiny, QWEN2, "int8_sq", plugins=False, opt_level="disable")
     counts = op_counts(reference / "rank0.onnx")
-    assert counts["DynamicQuantizeLinear"] == 2 * 5 and "com.microsoft.DynamicQuantizeMatMul" not in counts
+    assert counts["QuantizeLinear"] == 2 * 5 and "MatMulInteger" not in counts
     ref = _prefill(reference, batch)
     np.testing.assert_allclose(fused, ref, atol=1e-4 * np.abs(ref).max())
 
 
+def test_int8_sq_activation_scales_are_per_token(tiny):
+    """A sequence's logits do not depend on the other sequences of its step (a per-tensor activation scale would
+    let a batch neighbour with large activations coarsen its quantization)."""
+    engine = calibrated_engine(tiny, QWEN2, "int8_sq")
+    ids = prompts(1, (11,), seed=6)[0]
+    alone = _prefill(engine, [ids])[0]
+    neighbours = _prefill(engine, [ids] + prompts(3, (5, 23, 9), seed=7))[0]
+    np.testing.assert_allclose(neighbours, alone, atol=1e-5 * np.abs(alone).max())
+
+
 # mode -> (stored dtype of a projection's weight, kernel op and its count per layer, bytes per weight element)
-KERNELS = {"int8_sq": (onnx.TensorProto.UINT8, {"com.microsoft.DynamicQuantizeMatMul": 4}, 1.0),
+KERNELS = {"int8_sq": (onnx.TensorProto.UINT8, {"MatMulInteger": 4, "QuantizeLinear": 4}, 1.0),
            "fp8": (onnx.TensorProto.FLOAT8E4M3FN, {"QuantizeLinear": 4, "DequantizeLinear": 8}, 1.0),
            "int4_awq": (onnx.TensorProto.UINT8, {"com.microsoft.MatMulNBits": 4}, 0.5)}
 
@@ -232,8 +246,8 @@ def test_bad_input(tiny, tmp_path, monkeypatch, capsys):
     assert code == 2 and "--calib-data" in err and "is not a file" in err
     code, _, err = cli(monkeypatch, capsys, *base, "--dtype", "int8_wo", "--calib-size", "4")
     assert code == 2 and "apply to calibrated builds" in err
-    code, _, err = cli(monkeypatch, capsys, *base, "--kv-cache-dtype", "int8")
-    assert code == 2 and "--kv-cache-dtype 'int8'" in " ".join(err.split())
+    code, _, err = cli(monkeypatch, capsys, *base, "--kv-cache-dtype", "int4")
+    assert code == 2 and "--kv-cache-dtype 'int4' is unknown" in " ".join(err.split())
 
 
 def test_build_and_inspect_commands(tiny, tmp_path, monkeypatch, capsys):

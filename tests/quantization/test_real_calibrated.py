@@ -1,10 +1,13 @@
-"""SmolLM2-135M-Instruct calibrated at build (ModelOpt on CPU): int8_sq and fp8 engines know the capital of France,
-carry an accuracy report (not yet within the issue's +2%: see BELOW_TARGET), hold their weights at their precision
-and run the intended kernels.
+"""SmolLM2-135M-Instruct calibrated at build (ModelOpt on CPU): int8_sq, fp8 and int4_awq engines know the capital of
+France, carry an accuracy report within the issue's targets (int8_sq; fp8 and int4_awq not yet: see BELOW_TARGET),
+hold their weights at their precision and run the intended kernels.
 
 Calibration is kept small (16 self-sampled sequences of 128 tokens) so the module builds in minutes on two cores;
-the build's default is 512 x 512. Measured here (busy machine): the int8_sq build with its report took 695 s. The answer is checked teacher-forced (after "The capital of France is" the engine
-says " Paris"): the float32 engine's free-running answer starts on a near-tie (tests/quantization/test_real_model.py).
+the build's default is 512 x 512. Measured here (two busy cores), each build with its report: int8_sq 695 s (of which
+sampling the calibration text in torch 470 s, ModelOpt 108 s, the report 111 s), fp8 331-473 s, int4_awq 1622 s
+(AWQ-lite's scale search runs the model once per candidate). The answer is checked
+teacher-forced (after "The capital of France is" the engine says " Paris"): the float32 engine's free-running answer
+starts on a near-tie (tests/quantization/test_real_model.py).
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ pytestmark = pytest.mark.slow
 
 BUILD = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024, max_num_tokens=1024)
 CALIBRATION = CalibrationOptions(size=16, max_seq_len=128)
-TARGET = {"int8_sq": 2.0, "fp8": 2.0}          # perplexity increase, percent (the issue's targets)
-KERNEL = {"int8_sq": "com.microsoft.DynamicQuantizeMatMul", "fp8": "QuantizeLinear"}
+TARGET = {"int8_sq": 2.0, "fp8": 2.0, "int4_awq": 6.0}    # perplexity increase, percent (the issue's targets)
+KERNEL = {"int8_sq": "MatMulInteger", "fp8": "QuantizeLinear", "int4_awq": "com.microsoft.MatMulNBits"}
+# int4_awq is built with its lm_head quantized too (the tied embedding reads its int4 table), to fit 0.18x
+LM_HEAD = {"int4_awq": True}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +36,8 @@ def engines(smollm2_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2_calibrated")
     build_engine(smollm2_checkpoint, root / "float32", BUILD, PluginConfig())
     for mode in TARGET:
-        build_engine(smollm2_checkpoint, root / mode, BUILD, PluginConfig(), quant=QuantConfig(mode=mode),
+        build_engine(smollm2_checkpoint, root / mode, BUILD, PluginConfig(),
+                     quant=QuantConfig(mode=mode, quantize_lm_head=LM_HEAD.get(mode, False)),
                      accuracy=AccuracyOptions(), calibration=CALIBRATION)
     # int8 with lm_head quantized: the tied embedding reads its table, so every weight is stored in int8
     build_engine(smollm2_checkpoint, root / "int8_sq_lm_head", BUILD, PluginConfig(),
@@ -45,15 +51,22 @@ def test_knows_the_capital_of_france(engines, mode):
     assert next_token_after_france(engines / mode) == " Paris"
 
 
-# Measured with this module's 16 x 128 calibration (report on 2040 self-sampled tokens, float32 ppl 35.99):
-# int8_sq +24.0%: ORT's DynamicQuantizeMatMul scales activations per tensor over all tokens of a step, and SmolLM2's
-#   outlier tokens flatten the rest; per-token activation scales (MatMulInteger + per-row scales) are the next step.
-# fp8 +7.5%: one static per-tensor activation scale per projection (ModelOpt's FP8_DEFAULT_CFG).
-# Strict xfail: these fail loudly (XPASS) once a change meets the target, so the mark is then removed.
-BELOW_TARGET = pytest.mark.xfail(strict=True, reason="measured int8_sq +24%, fp8 +7.5% (target 2%)")
+# Measured with this module's 16 x 128 calibration (report on 2040 tokens the float32 engine samples, its ppl 29.77):
+# int8_sq +1.09% (30.09) with per-token activation scales (it was +24.0% with DynamicQuantizeMatMul's one scale per
+#   step: SmolLM2's outlier tokens flattened the others).
+# fp8 +4.21% (31.02), ModelOpt's FP8_DEFAULT_CFG. Ablated in torch (GPL-3 text, all projections +3.97%): fp8 weights
+#   alone +2.10%, activations alone +1.74%; all but attention.qkv +0.40%, all but mlp.gate_up +1.22%, dense or down
+#   left out no better. e4m3 keeps 3 mantissa bits (2.6% RMS weight error) whatever the scale: per-channel weight
+#   scales measured +4.59% in the engine. Next: keep attention.qkv unquantized, as ModelOpt's configs disable
+#   sensitive layers by name.
+# int4_awq (group 64, lm_head and the tied embedding int4) +56.3% (46.52); this checkpoint's weights are already
+#   Q4_1-rounded (int4_wo group 32, layers only: +24%, quantization/modes.py). Not yet split into layers / lm_head.
+# Strict xfail: it fails loudly (XPASS) once a change meets the target, so the mark is then removed.
+BELOW_TARGET = {"fp8": pytest.mark.xfail(strict=True, reason="measured fp8 +4.2% (target 2%)"),
+                "int4_awq": pytest.mark.xfail(strict=True, reason="measured int4_awq +56% (target 6%)")}
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=BELOW_TARGET) for m in sorted(TARGET)])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=BELOW_TARGET.get(m, ())) for m in sorted(TARGET)])
 def test_accuracy_report_within_target(engines, mode):
     from engine.runtime.engine_dir import load_engine_config
     q = load_engine_config(engines / mode).quantization
@@ -65,9 +78,9 @@ def test_accuracy_report_within_target(engines, mode):
 @pytest.mark.parametrize("mode", sorted(TARGET))
 def test_kernels_and_weight_precision(engines, mode):
     counts = op_counts(engines / mode / "rank0.onnx")
-    assert counts[KERNEL[mode]] == 30 * 4
+    assert counts[KERNEL[mode]] == 30 * 4 + LM_HEAD.get(mode, False)
     fp32 = (engines / "float32" / "rank0.onnx.data").stat().st_size
     # fp8 keeps the float32 tied embedding (ONNX Gather takes no float8): 113 MB of the 538 MB
-    limit = 0.30 if mode == "int8_sq" else 0.45
+    limit = {"int8_sq": 0.30, "fp8": 0.45, "int4_awq": 0.18}[mode]
     engine = engines / ("int8_sq_lm_head" if mode == "int8_sq" else mode)
     assert (engine / "rank0.onnx.data").stat().st_size <= limit * fp32
