@@ -43,7 +43,7 @@ from engine.quantization.accuracy import AccuracyOptions, accuracy_report, check
 from engine.quantization import calibrated as calib
 from engine.quantization import kv_cache
 from engine.quantization.calibrate import CalibrationOptions
-from engine.quantization.weight_only import BITS
+from engine.quantization.weight_only import BITS, block_grid
 from engine.runtime.engine_dir import backend_version, toolchain_version
 from engine.runtime.trt_session import save_stamp
 
@@ -106,8 +106,10 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
         bits = BITS[quant.mode]
         head = f"int{bits}" if quant.quantize_lm_head else "float32"
         tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
+        how = ("kept as the checkpoint's 4-bit blocks (GGUF Q4_1), float32 scales and offsets" if quant.source_grid
+               else "RTN, float32 scales")
         precision.update({
-            "weights": f"int{bits} weight-only ({quant.mode}, RTN, group {quant.group_size}, float32 scales) in "
+            "weights": f"int{bits} weight-only ({quant.mode}, {how}, group {quant.group_size}) in "
                        f"the layers' projections; lm_head {head}; embeddings "
                        f"{head if tied else 'float32'}",
             "activations": "float32" if quant.accuracy_level in (0, 1) else
@@ -116,6 +118,22 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
 
 
 # ---- rank tensors -----------------------------------------------------------------------------------------
+
+GRID_GROUP = 32   # the block of GGUF's Q4_0/Q4_1 formats
+
+
+def _layers_on_block_grid(ckpt_dir: Path, ckpt: CheckpointConfig) -> bool:
+    """Whether every projection of the layers (their 2-D tensors) holds 4-bit blocks of GRID_GROUP with a float
+    offset, as a checkpoint converted from a GGUF Q4_1 file does: int4_wo then keeps them exactly
+    (quantization/weight_only.block_grid) instead of moving them onto an RTN grid."""
+    tensors = rank_tensors(ckpt_dir, ckpt, 1, 0)
+    names = [n for n in tensors if n.startswith("layers.") and n.endswith(".weight")]
+    for name in names:
+        w = tensors[name]
+        if w.ndim == 2 and block_grid(w, GRID_GROUP) is None:
+            return False
+    return bool(names)
+
 
 _CORRUPT = "the checkpoint is truncated or corrupt — convert the model again with `engine convert`"
 
@@ -281,6 +299,8 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
                           "build from a float checkpoint: convert without quantization and pass --dtype "
                           f"{ckpt.quantization.mode} to `engine build`")
     quant = modes.resolve(quant or QuantConfig(), ckpt.model, build.tp_size)
+    if quant.mode == "int4_wo" and quant.group_size == GRID_GROUP and _layers_on_block_grid(ckpt_dir, ckpt):
+        quant = dataclasses.replace(quant, source_grid=True)
     accuracy = accuracy or AccuracyOptions()
     if quant.mode in calib.CALIBRATED and build.backend == "tensorrt":
         raise EngineError(f"--dtype {quant.mode} is built for onnxruntime only so far (its calibrated kernels are "

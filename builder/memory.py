@@ -59,7 +59,8 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
             n, k = rows_cols
             total += stored_bytes(n, k, bits, group) + n * (k // group) * compute  # + the gather's scales
         elif kind == "weight" and stem in quantized:
-            total += stored_bytes(*rows_cols, bits, group)
+            offsets = quant.source_grid and stem != "lm_head"   # layers kept on their grid (weight_only.block_grid)
+            total += stored_bytes(*rows_cols, bits, group, offsets)
         else:
             total += math.prod(rows_cols) * compute
     return total

@@ -24,7 +24,8 @@ tie_word_embeddings (lm_head reads vocab_embedding). Tensors are taken (popped) 
 placed into the graph, so the caller never holds a weight twice.
 
 Weight-only quantization (QuantConfig.mode int8_wo / int4_wo): every projection of the layers (qkv_proj, o_proj,
-gate_up / gate + up, down) is quantized at build (RTN, quantization/weight_only.py) and lowered by
+gate_up / gate + up, down) is quantized at build (RTN, or kept as the checkpoint's own 4-bit blocks when it has
+them: quantization/weight_only.py) and lowered by
 plugins/linear.py; the gated MLP is then composed here from those projections, since plugins/gated_mlp.py takes
 float weights. Embeddings and lm_head stay float32 unless quantize_lm_head; a tied embedding then shares the
 lm_head's packed table (GatherBlockQuantized + MatMulNBits over one initializer).
@@ -40,6 +41,7 @@ paged_attention (plugins/attention.py), whatever the weights' mode.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import MutableMapping
 
 import numpy as np
@@ -73,8 +75,10 @@ class _Builder:
         self.kv_quantized = build.kv_cache_dtype != "float32"
         assert not self.kv_quantized or quant.kv_cache, "an int8 KV cache needs its calibrated scales"
         self.kv_type = TensorProto.INT8 if self.kv_quantized else TensorProto.FLOAT
-        self.scheme = (WeightOnlyScheme(BITS[quant.mode], quant.group_size, quant.accuracy_level)
+        self.scheme = (WeightOnlyScheme(BITS[quant.mode], quant.group_size, quant.accuracy_level, quant.source_grid)
                        if quant.mode in BITS else None)
+        # lm_head and the embedding are never on the layers' grid (a GGUF keeps them finer): RTN
+        self.head_scheme = dataclasses.replace(self.scheme, keep_grid=False) if self.scheme else None
         # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales
         self.calibrated = quant.mode in CALIBRATED
         self.g = Graph()
@@ -267,7 +271,7 @@ class _Builder:
             hidden = calibrated_gather(g, shared_calibrated, ec.INPUT_IDS, name="/model/embed_tokens",
                                        weight_name="lm_head.weight", plugin=self.p.weight_only_quant_matmul_plugin)
         elif tied and self.q.quantize_lm_head and self.scheme is not None:
-            shared_table = quantize(embedding, self.scheme, name="vocab_embedding.weight")
+            shared_table = quantize(embedding, self.head_scheme, name="vocab_embedding.weight")
             hidden = quantized_gather(g, shared_table, ec.INPUT_IDS, name="/model/embed_tokens",
                                       weight_name="vocab_embedding.weight",
                                       plugin=self.p.weight_only_quant_matmul_plugin)
@@ -288,7 +292,7 @@ class _Builder:
         normed, _ = add_rms_norm(g, last, rows, self.norm_weight("final_norm.weight"), m.norm_eps,
                                  name="/model/norm", weight_name="final_norm.weight", plugin=self.p.rmsnorm_plugin)
         del embedding
-        lm_scheme = self.scheme if self.q.quantize_lm_head else None
+        lm_scheme = self.head_scheme if self.q.quantize_lm_head else None
         if shared_table is not None:
             logits = quantized_linear(g, normed, shared_table, None, name="/lm_head",
                                       weight_name="vocab_embedding.weight", accuracy_level=self.scheme.accuracy_level,

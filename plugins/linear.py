@@ -13,6 +13,11 @@ Quantized (`scheme` given; quantization/weight_only.py quantizes, scales stored 
     plugin=False:  DequantizeLinear(q [K, N] int4|int8, scales [K/g, N], axis=0, block_size=g) ──▶ W^T
                    x ──MatMul(W^T)──▶ (+bias) y          (the opset-21 blocked reference, dequantized per call)
 
+Weights kept on their checkpoint's 4-bit grid carry a float offset per block (quantization/weight_only.block_grid),
+added by both lowerings as a second product over the block sums of x:
+
+    x ─Reshape [T, K/g, g]─▶ ReduceSum(-1) ─▶ [T, K/g] ─MatMul(offsets^T [K/g, N])─▶ Add to y
+
 ORT's level-2 optimizer fuses that DequantizeLinear + MatMul back into MatMulNBits (at its session default
 accuracy level 4), so the reference stays a reference only in a graph run unoptimized (tests do that).
 
@@ -78,6 +83,13 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
     else:
         w_t = _dequantize_node(g, op, q, weight_name, scales, shared)
         y = op("MatMul", [x, w_t])
+    if q.offsets is not None:
+        assert not shared, "a table read by GatherBlockQuantized has no offsets"
+        sums = op("ReduceSum", [op("Reshape", [x, g.const([-1, k // q.group_size, q.group_size])]), g.const([-1])],
+                  keepdims=0)
+        stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+        offsets = g.weight(f"{stem}.weights_offset", np.ascontiguousarray(q.offsets.T))
+        y = op("Add", [y, op("MatMul", [sums, offsets])])
     return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
 
 

@@ -1,7 +1,8 @@
 """The quantization modes `engine build --dtype` accepts (TensorRT-LLM / ModelOpt names), and their defaults.
 
     int8_wo    W8A16 weight-only, RTN, one scale per group of input features (per-channel where ORT allows)
-    int4_wo    W4A16 weight-only, RTN, group-wise (16..256; default 32)
+    int4_wo    W4A16 weight-only, RTN, group-wise (16..256; default 32); a checkpoint whose layers are already
+               4-bit blocks of 32 (a GGUF Q4_1 source) keeps them exactly (weight_only.block_grid), no RTN
     int8_sq    W8A8 SmoothQuant: per-channel int8 weights, int8 activations (dynamic, per token); ModelOpt-calibrated
     fp8        E4M3 weights and activations, per-tensor scales (static activation scale); ModelOpt-calibrated
     int4_awq   W4A16 AWQ: int4 weights per group (default 128, as ModelOpt; the largest that fits below it)

@@ -15,6 +15,16 @@ bytes are exactly what ORT's MatMulNBits and GatherBlockQuantized kernels read:
 
 `rtn_scales` recomputes the scales in NumPy from the float weight (they are reproducible from the checkpoint),
 `dequantize` is the NumPy reference every lowering is tested against. Knows nothing of ONNX graphs.
+
+Weights already on a 4-bit grid (`block_grid`): a checkpoint converted from a GGUF Q4_1 file holds, in every block
+of 32 input features, at most 16 values d * q + m (q in 0..15, d and m floats per block). RTN onto any grid with an
+integer zero point moves them (~8% RMS weight error on SmolLM2, +44-58% perplexity); `block_grid` keeps them exactly:
+
+    q, scale = d, offset = m + 8 d      so that   w = (q - 8) * scale + offset   (same packing, implied zp 8)
+
+MatMulNBits takes no float offset at speed (its float zero points run a dequantizing fallback, measured 30x slower
+at one token), so the lowering adds the offsets as a second, small product (plugins/linear.py):
+x @ w^T = MatMulNBits(x) + blocksum(x) @ offset^T, blocksum(x) [T, K/32] the sums of x over each block.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ class WeightOnlyScheme:
     bits: int
     group_size: int
     accuracy_level: int = 0
+    keep_grid: bool = False   # the weights are on a 4-bit block grid already (block_grid): keep it, no RTN
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class QuantizedWeight:
     scales: np.ndarray       # float32 [N, K / group_size]
     bits: int
     group_size: int
+    offsets: np.ndarray | None = None   # float32 [N, K / group_size], added per block (block_grid), or none
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,6 +86,12 @@ def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weigh
 
     if weight.ndim != 2:
         raise EngineError(f"{name} has shape {tuple(weight.shape)}; only 2-D [out, in] weights are quantized")
+    if scheme.keep_grid:
+        kept = block_grid(weight, scheme.group_size)
+        if kept is None:
+            raise EngineError(f"{name} is not on the 4-bit grid the rest of the checkpoint is on; convert the "
+                              "model again, or build another --group-size")
+        return kept
     if scheme.bits not in (4, 8):
         raise EngineError(f"{scheme.bits}-bit weights are not supported; use 4 or 8")
     n, k = weight.shape
@@ -87,6 +105,28 @@ def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weigh
     kernel(packed, np.ascontiguousarray(weight.T, dtype=np.float32), scales, zero_points, scheme.group_size,
            n, k, True)
     return QuantizedWeight(packed, scales, scheme.bits, scheme.group_size)
+
+
+def block_grid(weight: np.ndarray, group_size: int) -> QuantizedWeight | None:
+    """`weight` [N, K] as 4-bit blocks of `group_size` with a float offset each (module docstring), when every
+    block holds only values d * q + m (q 0..15, m its minimum); None when a block does not."""
+    w = np.asarray(weight, dtype=np.float32)
+    n, k = w.shape
+    if k % group_size:
+        return None
+    blocks = w.reshape(n, k // group_size, group_size).astype(np.float64)
+    low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+    step = (high - low) / 15
+    safe = np.where(step > 0, step, 1.0)
+    q = np.rint((blocks - low[..., None]) / safe[..., None])
+    # on the grid up to the float32 rounding of the checkpoint's values
+    if np.abs(q * step[..., None] + low[..., None] - blocks).max(initial=0.0) > 1e-3 * max(step.max(initial=0), 1e-30):
+        return None
+    q = q.astype(np.uint8).reshape(n, k // group_size, group_size)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    scales = step.astype(np.float32)
+    offsets = (low + 8 * scales.astype(np.float64)).astype(np.float32)
+    return QuantizedWeight(packed, scales, 4, group_size, offsets)
 
 
 def unpack(q: QuantizedWeight) -> np.ndarray:
@@ -106,7 +146,10 @@ def dequantize(q: QuantizedWeight) -> np.ndarray:
     """NumPy reference: the float32 [N, K] weight the kernels compute with."""
     n, k = q.shape
     values = signed_values(q).astype(np.float32).reshape(n, -1, q.group_size)
-    return (values * q.scales[:, :, None]).reshape(n, k)
+    w = values * q.scales[:, :, None]
+    if q.offsets is not None:
+        w = w + q.offsets[:, :, None]
+    return w.reshape(n, k)
 
 
 def rtn_scales(weight: np.ndarray, bits: int, group_size: int) -> np.ndarray:
@@ -118,6 +161,7 @@ def rtn_scales(weight: np.ndarray, bits: int, group_size: int) -> np.ndarray:
     return (extreme / np.float32(-(1 << (bits - 1)))).astype(np.float32)
 
 
-def stored_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> int:
-    """Bytes of one quantized weight as stored: packed integers plus float32 scales."""
-    return out_features * in_features * bits // 8 + out_features * (in_features // group_size) * 4
+def stored_bytes(out_features: int, in_features: int, bits: int, group_size: int, offsets: bool = False) -> int:
+    """Bytes of one quantized weight as stored: packed integers plus float32 scales (and float32 offsets)."""
+    per_block = 8 if offsets else 4
+    return out_features * in_features * bits // 8 + out_features * (in_features // group_size) * per_block
