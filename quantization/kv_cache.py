@@ -61,13 +61,15 @@ def kv_absmax(lm, model: ModelConfig, batches: list[list[list[int]]]) -> tuple[n
 
     k_max = np.zeros((model.num_layers, model.num_kv_heads), np.float32)
     v_max = np.zeros_like(k_max)
+    from .torch_model import KVCache
+
     with torch.no_grad():
         for batch in batches:
-            cache: list = [None] * model.num_layers
+            cache = KVCache(model, len(batch), len(batch[0]))
             lm(torch.tensor(batch), start=0, cache=cache)
-            for i, (k, v) in enumerate(cache):   # [B, L, kv_heads, hd]
-                k_max[i] = np.maximum(k_max[i], k.abs().amax(dim=(0, 1, 3)).numpy())
-                v_max[i] = np.maximum(v_max[i], v.abs().amax(dim=(0, 1, 3)).numpy())
+            for i in range(model.num_layers):   # [B, L, kv_heads, hd]
+                k_max[i] = np.maximum(k_max[i], cache.k[i].abs().amax(dim=(0, 1, 3)).numpy())
+                v_max[i] = np.maximum(v_max[i], cache.v[i].abs().amax(dim=(0, 1, 3)).numpy())
     return k_max, v_max
 
 

@@ -101,7 +101,7 @@ class CanonicalLM(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def _attend(self, i: int, layer: _Layer, x: torch.Tensor, positions: torch.Tensor, cache):
+    def _attend(self, i: int, layer: _Layer, x: torch.Tensor, positions: torch.Tensor, cache: "KVCache | None"):
         m = self.m
         b, length, _ = x.shape
         hd, kinds = m.head_dim, m.layer_type(i)
@@ -112,12 +112,8 @@ class CanonicalLM(nn.Module):
         if m.qk_norm:
             q, k = layer.q_norm(q), layer.k_norm(k)
         q, k = self._rotate(q, positions, kinds), self._rotate(k, positions, kinds)
-        if isinstance(cache, KVCache):
+        if cache is not None:
             k, v = cache.append(i, int(positions[0]), k, v)
-        elif cache is not None:  # a list of num_layers (k, v) or None, filled in place (quantization/kv_cache.py)
-            if cache[i] is not None:
-                k, v = torch.cat([cache[i][0], k], dim=1), torch.cat([cache[i][1], v], dim=1)
-            cache[i] = (k, v)
         # grouped-query attention without repeating K/V: query heads [kv_heads, rep], head h = g * rep + r
         q = q.view(b, length, m.num_kv_heads, m.num_heads // m.num_kv_heads, hd)
         scale = m.attention_scale if m.attention_scale is not None else hd ** -0.5
@@ -132,9 +128,9 @@ class CanonicalLM(nn.Module):
         out = torch.einsum("bgrqk,bkgd->bqgrd", scores.softmax(-1), v).reshape(b, length, m.q_size)
         return layer.attention.dense(out)
 
-    def forward(self, ids: torch.Tensor, start: int = 0, cache: "KVCache | list | None" = None) -> torch.Tensor:
-        """Logits of `ids` [B, L] at positions start..start+L-1; `cache` keeps K/V between calls: a KVCache, or a
-        list of num_layers Nones that each call fills with the K/V so far (concatenated anew per call)."""
+    def forward(self, ids: torch.Tensor, start: int = 0, cache: "KVCache | None" = None) -> torch.Tensor:
+        """Logits of `ids` [B, L] at positions start..start+L-1; `cache` keeps K/V between calls (and holds them
+        after: quantization/kv_cache.py reads its ranges)."""
         m = self.m
         positions = torch.arange(start, start + ids.shape[1])
         hidden = self.embedding(ids)
