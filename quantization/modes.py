@@ -22,7 +22,8 @@ block, int8 dot products). Measured on this CPU (2 threads, a busy machine: medi
   level 4 is ~1.5x slower than level 0.
   SmolLM2-135M, decode at batch 1 relative to fp32: int8 level 4 1.4x, level 0 0.15x; int4 level 4 1.6x,
   level 0 0.85x. Perplexity (GPL-3 text; fp32 24.93): int8 level 4 25.13 (+0.8%), level 0 25.03 (+0.4%);
-  int4 group 32 level 4 30.94, level 0 30.86 (+24%: this checkpoint's weights are already Q4_1-rounded).
+  int4 group 32 level 4 30.94, level 0 30.86 (+24%: RTN moved this checkpoint's Q4_1 blocks; int4_wo now keeps
+  them, weight_only.block_grid: +0.41% on the build's sampled text, where RTN measured +58%).
 Level 0 makes the weight-only engines slower at decode than fp32, which defeats them; level 4 is the default
 (as onnxruntime-genai's CPU int4 default), and the build's accuracy report measures what its activation
 rounding costs. `--quant-accuracy-level 0` gives true weight-only arithmetic.
