@@ -34,16 +34,18 @@ from engine.core.errors import EngineError
 from engine.quantization.weight_only import QuantizedWeight, WeightOnlyScheme, quantize, signed_values
 
 
+def _stem(weight_name: str) -> str:
+    return weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+
+
 def bias_name_for(weight_name: str) -> str:
     """Canonical name of a weight's bias: "layers.0.attention.qkv.weight" -> "layers.0.attention.qkv.bias"."""
-    stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
-    return f"{stem}.bias"
+    return f"{_stem(weight_name)}.bias"
 
 
 def scale_name_for(weight_name: str) -> str:
     """Canonical name of a quantized weight's scales: "...qkv.weight" -> "...qkv.weights_scaling_factor"."""
-    stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
-    return f"{stem}.weights_scaling_factor"
+    return f"{_stem(weight_name)}.weights_scaling_factor"
 
 
 def linear(g: Graph, x: str, weight: np.ndarray, bias: np.ndarray | None, *, name: str, weight_name: str,
@@ -87,8 +89,7 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
         assert not shared, "a table read by GatherBlockQuantized has no offsets"
         sums = op("ReduceSum", [op("Reshape", [x, g.const([-1, k // q.group_size, q.group_size])]), g.const([-1])],
                   keepdims=0)
-        stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
-        offsets = g.weight(f"{stem}.weights_offset", np.ascontiguousarray(q.offsets.T))
+        offsets = g.weight(f"{_stem(weight_name)}.weights_offset", np.ascontiguousarray(q.offsets.T))
         y = op("Add", [y, op("MatMul", [sums, offsets])])
     return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
 
