@@ -101,7 +101,8 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
     precision = {"checkpoint": ckpt.dtype, "weights": "float32", "activations": "float32",
                  "kv_cache": build.kv_cache_dtype, "logits": "float32", **({"note": note} if note else {})}
     if quant is not None and quant.mode in calib.CALIBRATED:
-        precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head))
+        precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head,
+                                         quant.source_grid))
     elif quant is not None and quant.mode is not None:
         bits = BITS[quant.mode]
         head = f"int{bits}" if quant.quantize_lm_head else "float32"
@@ -120,12 +121,13 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
 # ---- rank tensors -----------------------------------------------------------------------------------------
 
 GRID_GROUP = 32   # the block of GGUF's Q4_0/Q4_1 formats
+GRID_MODES = ("int4_wo", "int4_awq")
 
 
 def _layers_on_block_grid(ckpt_dir: Path, ckpt: CheckpointConfig) -> bool:
     """Whether every projection of the layers (their 2-D tensors) holds 4-bit blocks of GRID_GROUP with a float
-    offset, as a checkpoint converted from a GGUF Q4_1 file does: int4_wo then keeps them exactly
-    (quantization/weight_only.block_grid) instead of moving them onto an RTN grid."""
+    offset, as a checkpoint converted from a GGUF Q4_1 file does: int4_wo / int4_awq then keep them exactly
+    (quantization/weight_only.block_grid) instead of moving them onto an RTN or AWQ grid."""
     tensors = rank_tensors(ckpt_dir, ckpt, 1, 0)
     names = [n for n in tensors if n.startswith("layers.") and n.endswith(".weight")]
     for name in names:
@@ -133,6 +135,19 @@ def _layers_on_block_grid(ckpt_dir: Path, ckpt: CheckpointConfig) -> bool:
         if w.ndim == 2 and block_grid(w, GRID_GROUP) is None:
             return False
     return bool(names)
+
+
+def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig, tp: int) -> QuantConfig:
+    """The requested QuantConfig with its defaults filled in (quantization.modes.resolve). int4_wo and int4_awq at
+    group 32 (asked for, or no group asked for) keep a checkpoint's 4-bit blocks when every layer holds them: they
+    are exact, and neither RTN nor AWQ's scale search can come closer to the checkpoint than exact; int4_awq then
+    calibrates lm_head only (with quantize_lm_head)."""
+    quant = modes.resolve(requested, ckpt.model, tp)
+    if quant.mode not in GRID_MODES or requested.group_size not in (None, GRID_GROUP) or quant.source_grid:
+        return quant
+    if not _layers_on_block_grid(ckpt_dir, ckpt):
+        return quant
+    return dataclasses.replace(quant, group_size=GRID_GROUP, source_grid=True)
 
 
 _CORRUPT = "the checkpoint is truncated or corrupt — convert the model again with `engine convert`"
@@ -298,9 +313,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         raise EngineError(f"checkpoint {ckpt_dir} is quantized ({ckpt.quantization.mode}); engines are quantized at "
                           "build from a float checkpoint: convert without quantization and pass --dtype "
                           f"{ckpt.quantization.mode} to `engine build`")
-    quant = modes.resolve(quant or QuantConfig(), ckpt.model, build.tp_size)
-    if quant.mode == "int4_wo" and quant.group_size == GRID_GROUP and _layers_on_block_grid(ckpt_dir, ckpt):
-        quant = dataclasses.replace(quant, source_grid=True)
+    quant = resolve_quant(quant or QuantConfig(), ckpt_dir, ckpt, build.tp_size)
     accuracy = accuracy or AccuracyOptions()
     if quant.mode in calib.CALIBRATED and build.backend == "tensorrt":
         raise EngineError(f"--dtype {quant.mode} is built for onnxruntime only so far (its calibrated kernels are "

@@ -73,8 +73,9 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
     h, inter = model.hidden_size, model.intermediate_size
     packed = [(model.q_size + 2 * model.kv_size, h), (h, model.q_size), (2 * inter, h), (h, inter)]
-    for n, k in packed:
-        total += model.num_layers * calibrated.stored_bytes(quant.mode, n, k, quant.group_size)
+    for n, k in packed:  # int4_awq layers that keep the checkpoint's blocks store them as int4_wo does
+        total += model.num_layers * (stored_bytes(n, k, 4, quant.group_size, True) if quant.source_grid else
+                                     calibrated.stored_bytes(quant.mode, n, k, quant.group_size))
     for name, shape in logical_shapes(model).items():
         _, stem, kind = split_name(name)
         if stem in QUANTIZED_PROJECTIONS and kind == "weight":

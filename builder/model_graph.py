@@ -31,9 +31,10 @@ float weights. Embeddings and lm_head stay float32 unless quantize_lm_head; a ti
 lm_head's packed table (GatherBlockQuantized + MatMulNBits over one initializer).
 
 Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's quantized projections laid over the
-checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py; with quantize_lm_head a
-tied embedding reads the quantized lm_head's table (calibrated_gather), stored once; not under fp8 (ONNX Gather
-takes no float8 tensor), where the float32 embedding stays next to the fp8 lm_head.
+checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py (int4_awq layers that
+keep the checkpoint's 4-bit blocks, source_grid, are lowered as int4_wo's; only lm_head is calibrated); with
+quantize_lm_head a tied embedding reads the quantized lm_head's table (calibrated_gather), stored once; not under
+fp8 (ONNX Gather takes no float8 tensor), where the float32 embedding stays next to the fp8 lm_head.
 
 Quantized KV cache (BuildConfig.kv_cache_dtype int8): the pools kcache.{i} / vcache.{i} are int8, and each layer holds
 its K and V scales (layers.{i}.attention.kv_cache.{k,v}_scaling_factor, this rank's KV heads) for write_kv and
@@ -75,12 +76,15 @@ class _Builder:
         self.kv_quantized = build.kv_cache_dtype != "float32"
         assert not self.kv_quantized or quant.kv_cache, "an int8 KV cache needs its calibrated scales"
         self.kv_type = TensorProto.INT8 if self.kv_quantized else TensorProto.FLOAT
-        self.scheme = (WeightOnlyScheme(BITS[quant.mode], quant.group_size, quant.accuracy_level, quant.source_grid)
-                       if quant.mode in BITS else None)
+        # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales; int4_awq
+        # layers that keep the checkpoint's 4-bit blocks (source_grid) are not calibrated, only its lm_head is
+        self.calibrated = quant.mode in CALIBRATED
+        self.calibrated_layers = self.calibrated and not quant.source_grid
+        self.scheme = (WeightOnlyScheme(4 if quant.source_grid else BITS[quant.mode], quant.group_size,
+                                        quant.accuracy_level, quant.source_grid)
+                       if quant.mode in BITS or quant.source_grid else None)
         # lm_head and the embedding are never on the layers' grid (a GGUF keeps them finer): RTN
         self.head_scheme = dataclasses.replace(self.scheme, keep_grid=False) if self.scheme else None
-        # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales
-        self.calibrated = quant.mode in CALIBRATED
         self.g = Graph()
         self.heads = model.num_heads // tp
         self.kv_heads = kv_heads_per_rank(model, tp)
@@ -97,7 +101,7 @@ class _Builder:
 
     def proj(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None) -> str:
         """A projection of the layers: float32 MatMul, or quantized with the build's scheme."""
-        if self.calibrated:
+        if self.calibrated_layers or (self.calibrated and weight_name == "lm_head.weight"):
             w = self.t.pop_calibrated(weight_name, self.q.mode, self.q.group_size)
             return calibrated_linear(self.g, x, w, bias, name=name, weight_name=weight_name,
                                      plugin=self.p.weight_only_quant_matmul_plugin,
@@ -112,7 +116,7 @@ class _Builder:
             else:                x ─proj gate─▶ act ─┐ x ─proj up─▶ Mul ─▶ proj down
         """
         m, p, g = self.m, self.p, self.g
-        if self.scheme is None and not self.calibrated:
+        if self.scheme is None and not self.calibrated_layers:
             return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
                              m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin)
         op = g.scope(name)
@@ -120,7 +124,7 @@ class _Builder:
         if p.gemm_swiglu_plugin:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             gate, up = op("Split", [fused, g.const([m.intermediate_size // self.tp] * 2)], outputs=2, axis=-1)
-        elif self.calibrated:
+        elif self.calibrated_layers:
             fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
             half = fused.shape[0] // 2
             gate, up = (calibrated_linear(g, x, part, None, name=f"{name}/{what}_proj",

@@ -106,7 +106,7 @@ def build_command(
     no_progress: bool = NO_PROGRESS,
 ):
     """Build an engine: one optimized ONNX graph per rank, config.json with the memory plan, tokenizer files."""
-    from engine.builder.build import build_engine, check_build_config, resolve_backend
+    from engine.builder.build import build_engine, check_build_config, resolve_backend, resolve_quant
     from engine.builder.memory import memory_plan, plan_rows
     from engine.core.artifacts import load_checkpoint_config
     from engine.core.config import QuantConfig
@@ -164,14 +164,16 @@ def build_command(
         kv_cache_dtype=kv_cache_dtype, dtype=compute_dtype, backend=backend,
         tp_size=tp if tp is not None else ckpt.mapping.tp_size, opt_level=opt_level)
     check_build_config(ckpt.model, build)
-    quant = modes.resolve(QuantConfig(mode=mode, group_size=group_size, quantize_lm_head=quantize_lm_head,
-                                      accuracy_level=quant_accuracy_level), ckpt.model, build.tp_size)
+    requested = QuantConfig(mode=mode, group_size=group_size, quantize_lm_head=quantize_lm_head,
+                            accuracy_level=quant_accuracy_level)
+    modes.resolve(requested, ckpt.model, build.tp_size)   # bad flags fail here, before anything is read
     console = Console()
     if dry_run:
         table = Table(title=f"memory plan of {ckpt.model.architecture}, tp {build.tp_size} (dry run: nothing built)")
         table.add_column("item")
         table.add_column("size", justify="right")
-        rows = plan_rows(memory_plan(ckpt.model, build, quant), build)
+        rows = plan_rows(memory_plan(ckpt.model, build, resolve_quant(requested, checkpoint_dir, ckpt, build.tp_size)),
+                         build)
         if as_json:
             print_json("build", {"dry_run": True, "build": build, "memory_plan": dict(rows)})
             return
@@ -182,7 +184,7 @@ def build_command(
     start = time.perf_counter()
     with progress_bar("building", total=build.tp_size, enabled=not (no_progress or as_json)) as step:
         config = build_engine(checkpoint_dir, output_dir, build, plugins, force=force, workers=workers,
-                              progress=step, quant=quant, accuracy=accuracy, trt=trt, calibration=calibration,
+                              progress=step, quant=requested, accuracy=accuracy, trt=trt, calibration=calibration,
                               build_flags={**recorded_flags(ctx), "backend": backend})  # auto, resolved
     note = config.precision.get("note")
     if note:

@@ -8,7 +8,8 @@
         int8_sq   INT8_SMOOTHQUANT_CFG with alpha 0.5: SmoothQuant input scales, per-channel int8 weights
         fp8       FP8_DEFAULT_CFG: per-tensor e4m3 weights and static per-tensor e4m3 activations
         int4_awq  INT4_AWQ_CFG with its block size set to the build's group size: AWQ-lite input scales,
-                  int4 weights per group of input features
+                  int4 weights per group of input features; layers that keep the checkpoint's 4-bit blocks
+                  (QuantConfig.source_grid) are disabled, so only a quantized lm_head is calibrated, or nothing
     ──▶ per projection: the smoothed / AWQ-scaled weight quantized with ModelOpt's amax (calibrated.py)
 
 Why at build and not a separate `engine quantize` step: the checkpoint is the only input the build needs, the
@@ -134,17 +135,20 @@ def modelopt_config(mtq, quant: QuantConfig) -> dict:
         for e in entries:
             if e.get("quantizer_name") == "*weight_quantizer":
                 e["cfg"] = {**e["cfg"], "block_sizes": {**e["cfg"]["block_sizes"], -1: quant.group_size}}
+    if quant.source_grid:  # the layers keep the checkpoint's blocks: only lm_head is calibrated
+        entries = entries + [{"quantizer_name": "layers.*", "enable": False}]
     cfg["quant_cfg"] = entries
     if quant.mode == "int8_sq":
         cfg["algorithm"] = {"method": "smoothquant", "alpha": SMOOTHQUANT_ALPHA}
     return cfg
 
 
-def projections(model: ModelConfig, quantize_lm_head: bool) -> list[str]:
-    """Module names (= canonical stems) of the quantized projections."""
-    stems = [f"layers.{i}.{p}" for i in range(model.num_layers)
-             for p in ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.down")]
-    return stems + (["lm_head"] if quantize_lm_head else [])
+def projections(model: ModelConfig, quant: QuantConfig) -> list[str]:
+    """Module names (= canonical stems) of the calibrated projections: the layers' (not when they keep the
+    checkpoint's 4-bit blocks, quant.source_grid) and lm_head with quantize_lm_head."""
+    stems = [] if quant.source_grid else [f"layers.{i}.{p}" for i in range(model.num_layers)
+                                          for p in ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.down")]
+    return stems + (["lm_head"] if quant.quantize_lm_head else [])
 
 
 def _extract(module, mode: str, group_size: int | None) -> CalibratedWeight:
@@ -198,10 +202,13 @@ def calibrated_model(model: ModelConfig, tensors: Mapping[str, np.ndarray], quan
 def calibrate(model: ModelConfig, tensors: Mapping[str, np.ndarray], quant: QuantConfig, opts: CalibrationOptions,
               tokenizer_dir: Path, start_token: int | None, max_positions: int) -> tuple[dict, dict]:
     """Calibrate `quant.mode`; returns (calibrated tensors by canonical name, the calibration record)."""
+    stems = projections(model, quant)
+    if not stems:
+        return {}, {"skipped": "the layers keep the checkpoint's 4-bit blocks and lm_head is not quantized"}
     lm, record = calibrated_model(model, tensors, quant, opts, tokenizer_dir, start_token, max_positions)
     modules = dict(lm.named_modules())
     out: dict[str, np.ndarray] = {}
-    for stem in projections(model, quant.quantize_lm_head):
+    for stem in stems:
         out.update(_extract(modules[stem], quant.mode, quant.group_size).tensors(stem))
     return out, record
 

@@ -5,7 +5,8 @@
                4-bit blocks of 32 (a GGUF Q4_1 source) keeps them exactly (weight_only.block_grid), no RTN
     int8_sq    W8A8 SmoothQuant: per-channel int8 weights, int8 activations (dynamic, per token); ModelOpt-calibrated
     fp8        E4M3 weights and activations, per-tensor scales (static activation scale); ModelOpt-calibrated
-    int4_awq   W4A16 AWQ: int4 weights per group (default 128, as ModelOpt; the largest that fits below it)
+    int4_awq   W4A16 AWQ: int4 weights per group (default 128, as ModelOpt; the largest that fits below it); a
+               checkpoint already in 4-bit blocks of 32 keeps them as int4_wo does (group 32; AWQ on lm_head only)
     w4a8_awq, nvfp4    named, refused until implemented
 The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
 Calibrated modes (quantization/calibrate.py) build tp 1 onnxruntime engines.

@@ -1,6 +1,6 @@
-"""int4_wo on a checkpoint whose projections are already 4-bit blocks of 32 with a float offset (what a GGUF Q4_1
-file converts to): the blocks are kept exactly (quantization/weight_only.block_grid), so the int4 engine computes
-what the float engine does; any other checkpoint is quantized by RTN as before."""
+"""int4_wo and int4_awq on a checkpoint whose projections are already 4-bit blocks of 32 with a float offset (what a
+GGUF Q4_1 file converts to): the blocks are kept exactly (quantization/weight_only.block_grid), so the int4 engine
+computes what the float engine does; any other checkpoint is quantized by RTN / AWQ as before."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.builder.build import build_engine, rank_tensors
+from engine.builder.onnxruntime_backend import op_counts
 from engine.builder.model_graph import build_graph
 from engine.builder.memory import memory_plan
 from engine.core.artifacts import load_checkpoint_config
@@ -19,7 +20,9 @@ from engine.quantization.weight_only import WeightOnlyScheme, block_grid, dequan
 from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, prompts
 from tests.tiny_models import make_tiny_model
 
+from .calibrated_engines import TINY_CALIBRATION
 from .engines import NO_REPORT, relative_rms
+from .test_calibrated import _plan_matches_stored_bytes
 from .test_engines import _logits
 
 
@@ -58,16 +61,20 @@ def test_block_grid_is_exact_and_refuses_other_weights():
                  WeightOnlyScheme(4, 32, 4, keep_grid=True))
 
 
+@pytest.mark.parametrize("mode", ["int4_wo", "int4_awq"])
 @pytest.mark.parametrize("plugins", [True, False], ids=["matmulnbits", "reference"])
-def test_int4_engine_of_a_q4_1_checkpoint_equals_the_float_engine(grid_checkpoint, tmp_path, plugins):
+def test_int4_engine_of_a_q4_1_checkpoint_equals_the_float_engine(grid_checkpoint, tmp_path, plugins, mode):
     float_dir, int4_dir = tmp_path / "float32", tmp_path / "int4"
     build_engine(grid_checkpoint, float_dir, TEST_BUILD, ALL_PLUGINS)
     plugin_config = ALL_PLUGINS if plugins else NO_PLUGINS
     # accuracy level 0: float compute, so the only difference left would be the weights
     build_engine(grid_checkpoint, int4_dir, TEST_BUILD, plugin_config, accuracy=NO_REPORT,
-                 quant=QuantConfig(mode="int4_wo", accuracy_level=0))
+                 quant=QuantConfig(mode=mode, accuracy_level=0), calibration=TINY_CALIBRATION)
     config = load_engine_config(int4_dir)
-    assert config.quantization.source_grid and "GGUF Q4_1" in config.precision["weights"]
+    assert config.quantization.source_grid and config.quantization.group_size == 32
+    assert "GGUF Q4_1" in config.precision["weights"]
+    if mode == "int4_awq":  # nothing left to calibrate: ModelOpt does not run
+        assert "skipped" in config.quantization.calibration
     batch = prompts(2, (7, 19), seed=3)
     ref_prefill, ref_tokens, ref_decode = _logits(float_dir, batch)
     prefill, tokens, decode = _logits(int4_dir, batch)
@@ -88,3 +95,32 @@ def test_random_checkpoint_keeps_rtn(tiny, tmp_path):
                  quant=QuantConfig(mode="int4_wo"))
     config = load_engine_config(tmp_path / "e")
     assert not config.quantization.source_grid and "RTN" in config.precision["weights"]
+
+
+def test_int4_awq_on_the_grid_calibrates_lm_head_only(grid_checkpoint, tmp_path):
+    engine = tmp_path / "awq"
+    build_engine(grid_checkpoint, engine, TEST_BUILD, ALL_PLUGINS, accuracy=NO_REPORT, calibration=TINY_CALIBRATION,
+                 quant=QuantConfig(mode="int4_awq", quantize_lm_head=True))
+    config = load_engine_config(engine)
+    assert config.quantization.source_grid and config.quantization.calibration["sequences"] == 8
+    assert "lm_head int4 with AWQ" in config.precision["weights"]
+    inits = {t.name for t in onnx_initializers(engine)}
+    assert "lm_head.prequant_scaling_factor" in inits             # AWQ's input scale of lm_head
+    assert not any(n.startswith("layers.") and n.endswith("prequant_scaling_factor") for n in inits)
+    assert "layers.0.attention.qkv.weights_offset" in inits        # the layers' blocks, kept
+    assert op_counts(engine / "rank0.onnx")["com.microsoft.MatMulNBits"] == 2 * 4 + 1
+    _plan_matches_stored_bytes(engine)
+
+
+def test_int4_awq_with_another_group_size_runs_awq(grid_checkpoint, tmp_path):
+    engine = tmp_path / "awq64"
+    build_engine(grid_checkpoint, engine, TEST_BUILD, ALL_PLUGINS, accuracy=NO_REPORT, calibration=TINY_CALIBRATION,
+                 quant=QuantConfig(mode="int4_awq", group_size=64))
+    config = load_engine_config(engine)
+    assert not config.quantization.source_grid and config.quantization.calibration["sequences"] == 8
+    assert "layers.0.attention.qkv.prequant_scaling_factor" in {t.name for t in onnx_initializers(engine)}
+
+
+def onnx_initializers(engine):
+    import onnx
+    return onnx.load(str(engine / "rank0.onnx"), load_external_data=False).graph.initializer
