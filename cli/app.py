@@ -13,13 +13,13 @@ import importlib
 import sys
 import traceback
 from dataclasses import dataclass
-from importlib.metadata import version
 
 import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from engine.core import VERSION
 from engine.core.errors import EngineError
 
 from . import config_file
@@ -48,7 +48,7 @@ class Session:
 
 def _version(value: bool):
     if value:
-        typer.echo(f"engine {version('engine')}")
+        typer.echo(f"engine {VERSION}")
         raise typer.Exit()
 
 

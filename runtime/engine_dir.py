@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Iterator
 
+from engine.core import VERSION
 from engine.core.artifacts import check_format
 from engine.core.engine_config import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, EngineConfig, rank_files
 from engine.core.errors import EngineError
@@ -25,10 +25,7 @@ REBUILD = "rebuild it with `engine build --checkpoint-dir CKPT --output-dir {dir
 
 
 def toolchain_version() -> str:
-    try:
-        return version("engine")
-    except PackageNotFoundError:  # running from a source tree that is not installed
-        return "0+unknown"
+    return VERSION
 
 
 def backend_version(backend: str) -> str:

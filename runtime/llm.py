@@ -19,7 +19,6 @@ max_tokens beyond max_seq_len - prompt length is clipped to it with a warning on
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
 import logging
@@ -264,6 +263,8 @@ class LLM:
             raise EngineError(f"the engine loop did not answer a snapshot within {timeout} s") from None
 
     async def _run_async(self, seq: Sequence, text: str | None) -> AsyncIterator[RequestOutput]:
+        import asyncio  # here, not at the top: `engine run` never needs it, and it costs ~70 ms of cold start
+
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self.start()

@@ -1,9 +1,9 @@
 """`engine run` starts fast because its process imports only what generation needs: not torch, transformers, the
-HTTP server stack (fastapi, uvicorn), recipes/ or builder/ (cold start is a goal: bench/startup.py)."""
+HTTP server stack (fastapi, uvicorn, asyncio), recipes/ or builder/ (cold start is a goal: bench/startup.py)."""
 import subprocess
 import sys
 
-FORBIDDEN = ("torch", "transformers", "fastapi", "uvicorn", "engine.recipes", "engine.builder")
+FORBIDDEN = ("torch", "transformers", "fastapi", "uvicorn", "asyncio", "engine.recipes", "engine.builder")
 
 
 def test_engine_run_imports_no_build_or_server_code(tiny_engine):
@@ -23,3 +23,10 @@ def test_engine_run_imports_no_build_or_server_code(tiny_engine):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
     assert "LOADED []" in r.stdout and "Output [Text 0]" in r.stdout
+
+
+def test_version_constant_is_the_installed_version():
+    """engine.core.VERSION (read at every engine load instead of importlib.metadata) is pyproject's version."""
+    from importlib.metadata import version
+    from engine.core import VERSION
+    assert VERSION == version("engine")
