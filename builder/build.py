@@ -100,15 +100,16 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
             "stored and computed in float32")
     precision = {"checkpoint": ckpt.dtype, "weights": "float32", "activations": "float32",
                  "kv_cache": build.kv_cache_dtype, "logits": "float32", **({"note": note} if note else {})}
-    if quant is not None and quant.mode in calib.CALIBRATED:
-        precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head,
-                                         quant.source_grid))
-    elif quant is not None and quant.mode is not None:
-        bits = BITS[quant.mode]
-        head = f"int{bits}" if quant.quantize_lm_head else "float32"
+    if quant is not None and quant.mode in calib.CALIBRATED and not quant.source_grid:
+        precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head))
+    elif quant is not None and quant.mode is not None:   # weight-only, or int4_awq keeping the checkpoint's blocks
+        bits = 4 if quant.source_grid else BITS[quant.mode]
+        head = (f"int{bits}" + (" with AWQ" if quant.mode == "int4_awq" else "")) if quant.quantize_lm_head \
+            else "float32"
         tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
         how = ("kept as the checkpoint's 4-bit blocks (GGUF Q4_1), float32 scales and offsets" if quant.source_grid
-               else "RTN, float32 scales")
+               else "RTN, float32 scales") + ("; exact, so AWQ's search is not run on them"
+                                              if quant.mode == "int4_awq" else "")
         precision.update({
             "weights": f"int{bits} weight-only ({quant.mode}, {how}, group {quant.group_size}) in "
                        f"the layers' projections; lm_head {head}; embeddings "

@@ -79,7 +79,6 @@ class _Builder:
         # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales; int4_awq
         # layers that keep the checkpoint's 4-bit blocks (source_grid) are not calibrated, only its lm_head is
         self.calibrated = quant.mode in CALIBRATED
-        self.calibrated_layers = self.calibrated and not quant.source_grid
         self.scheme = (WeightOnlyScheme(4 if quant.source_grid else BITS[quant.mode], quant.group_size,
                                         quant.accuracy_level, quant.source_grid)
                        if quant.mode in BITS or quant.source_grid else None)
@@ -101,13 +100,16 @@ class _Builder:
 
     def proj(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None) -> str:
         """A projection of the layers: float32 MatMul, or quantized with the build's scheme."""
-        if self.calibrated_layers or (self.calibrated and weight_name == "lm_head.weight"):
+        if self.is_calibrated(weight_name):
             w = self.t.pop_calibrated(weight_name, self.q.mode, self.q.group_size)
             return calibrated_linear(self.g, x, w, bias, name=name, weight_name=weight_name,
                                      plugin=self.p.weight_only_quant_matmul_plugin,
                                      accuracy_level=self.q.accuracy_level or 0)
         return linear(self.g, x, self.take(weight_name), bias, name=name, weight_name=weight_name,
                       scheme=self.scheme, plugin=self.p.weight_only_quant_matmul_plugin)
+
+    def is_calibrated(self, weight_name: str) -> bool:
+        return self.calibrated and self.t.has_calibrated(weight_name)
 
     def mlp(self, x: str, w: str, name: str) -> str:
         """Gated MLP; with quantized weights composed from quantized projections:
@@ -116,7 +118,8 @@ class _Builder:
             else:                x ─proj gate─▶ act ─┐ x ─proj up─▶ Mul ─▶ proj down
         """
         m, p, g = self.m, self.p, self.g
-        if self.scheme is None and not self.calibrated_layers:
+        calibrated = self.is_calibrated(w + "mlp.gate_up.weight")
+        if self.scheme is None and not calibrated:
             return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
                              m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin)
         op = g.scope(name)
@@ -124,7 +127,7 @@ class _Builder:
         if p.gemm_swiglu_plugin:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             gate, up = op("Split", [fused, g.const([m.intermediate_size // self.tp] * 2)], outputs=2, axis=-1)
-        elif self.calibrated_layers:
+        elif calibrated:
             fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
             half = fused.shape[0] // 2
             gate, up = (calibrated_linear(g, x, part, None, name=f"{name}/{what}_proj",

@@ -142,6 +142,10 @@ class CalibratedTensors(MutableMapping):
     def __contains__(self, name) -> bool:
         return name in self._over or name in self._base
 
+    def has_calibrated(self, weight_name: str) -> bool:
+        """Whether calibration produced `weight_name` (int4_awq layers that keep the checkpoint's blocks have none)."""
+        return weight_name in self._over
+
     def pop_calibrated(self, weight_name: str, mode: str, group_size: int | None) -> CalibratedWeight:
         """The CalibratedWeight of `weight_name` ("....weight"), its tensors removed from the mapping."""
         stem = weight_name[: -len(".weight")]
@@ -153,20 +157,11 @@ class CalibratedTensors(MutableMapping):
                                 get("prequant_scaling_factor"), group_size)
 
 
-def precision(mode: str, group_size: int | None, accuracy_level: int | None, quantize_lm_head: bool,
-              source_grid: bool = False) -> dict:
+def precision(mode: str, group_size: int | None, accuracy_level: int | None, quantize_lm_head: bool) -> dict:
     """The weights / activations lines of an engine's precision record (config.json, `engine inspect`)."""
     head = ("lm_head quantized the same way (a tied embedding reads its table)" if mode in SHARED_TABLE else
             "lm_head quantized the same way; embeddings float32") if quantize_lm_head \
         else "lm_head and embeddings float32"
-    if mode == "int4_awq" and source_grid:
-        head = ("lm_head int4 with AWQ (a tied embedding reads its table)" if quantize_lm_head
-                else "lm_head and embeddings float32")
-        return {"weights": f"int4 in the layers' projections, kept as the checkpoint's 4-bit blocks of {group_size} "
-                           "(GGUF Q4_1: float32 scales and offsets; exact, so AWQ's search is not run on them); "
-                           f"{head}",
-                "activations": "float32" if accuracy_level in (0, 1) else
-                               "float32; int8 per block inside MatMulNBits (accuracy_level 4)"}
     if mode == "int8_sq":
         return {"weights": f"int8, one scale per output channel (int8_sq: SmoothQuant, ModelOpt-calibrated) in the "
                            f"layers' projections; {head}",
