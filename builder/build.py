@@ -45,10 +45,12 @@ from engine.quantization import kv_cache
 from engine.quantization.calibrate import CalibrationOptions
 from engine.quantization.weight_only import BITS, block_grid
 from engine.runtime.engine_dir import backend_version, toolchain_version
-from engine.runtime.trt_session import save_stamp
+from engine.runtime.trt_session import import_tensorrt, save_stamp
 
 from . import onnxruntime_backend as ortb
 from . import tensorrt_backend as trtb
+from . import tensorrt_collectives as trtc
+from . import tensorrt_quant as trtq
 from .memory import memory_plan
 from .model_graph import build_graph
 from .segments import save_segments
@@ -87,9 +89,14 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
     check_tp(model, b.tp_size)
 
 
-def resolve_backend(name: str) -> str:
-    """auto -> tensorrt where `tensorrt` imports and a CUDA GPU is visible, else onnxruntime (tensorrt_backend.py)."""
-    return trtb.resolve_backend(name)
+def resolve_backend(name: str, mode: str | None = None, kv_cache_dtype: str = "float32") -> str:
+    """auto -> tensorrt where `tensorrt` imports and a CUDA GPU is visible (tensorrt_backend.py) and TensorRT can
+    take the --dtype `mode` and the KV cache dtype, else onnxruntime."""
+    backend = trtb.resolve_backend(name)
+    if name == "auto" and backend == "tensorrt" and (mode not in trtq.TENSORRT_QUANT_MODES
+                                                     or kv_cache_dtype != "float32"):
+        return "onnxruntime"
+    return backend
 
 
 def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig | None = None) -> dict:
@@ -116,6 +123,8 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
                        f"{head if tied else 'float32'}",
             "activations": "float32" if quant.accuracy_level in (0, 1) else
                            "float32; int8 per block inside MatMulNBits (accuracy_level 4)"})
+    if build.backend == "tensorrt" and quant is not None and quant.mode is not None:
+        precision.update(trtq.tensorrt_precision(quant.mode))
     return precision
 
 
@@ -138,11 +147,14 @@ def _layers_on_block_grid(ckpt_dir: Path, ckpt: CheckpointConfig) -> bool:
     return bool(names)
 
 
-def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig, tp: int) -> QuantConfig:
-    """The requested QuantConfig with its defaults filled in (quantization.modes.resolve). int4_wo and int4_awq at
-    group 32 (asked for, or no group asked for) keep a checkpoint's 4-bit blocks when every layer holds them: they
-    are exact, and neither RTN nor AWQ's scale search can come closer to the checkpoint than exact; int4_awq then
-    calibrates lm_head only (with quantize_lm_head)."""
+def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig, tp: int,
+                  backend: str = "onnxruntime") -> QuantConfig:
+    """The requested QuantConfig with its defaults filled in (quantization.modes.resolve; on TensorRT first
+    tensorrt_quant.tensorrt_quant). int4_wo and int4_awq at group 32 (asked for, or no group asked for) keep a
+    checkpoint's 4-bit blocks when every layer holds them: they are exact, and neither RTN nor AWQ's scale search
+    can come closer to the checkpoint than exact; int4_awq then calibrates lm_head only (with quantize_lm_head)."""
+    if backend == "tensorrt":
+        requested = trtq.tensorrt_quant(requested, ckpt.model, tp)
     quant = modes.resolve(requested, ckpt.model, tp)
     if quant.mode not in GRID_MODES or requested.group_size not in (None, GRID_GROUP) or quant.source_grid:
         return quant
@@ -276,10 +288,11 @@ def build_rank(job: RankJob) -> int:
         proto.graph.initializer.append(initializers.pop())
     if job.build.backend == "tensorrt":
         # TensorRT parses the graph as built: an ORT-optimized graph holds contrib ops TensorRT does not know.
+        all_reduces = trtc.mark_all_reduces(proto)
         raw = job.out_dir / f"rank{job.rank}.raw.onnx"
         ortb.save_raw(proto, raw)
         del proto
-        trtb.build_rank_engine(raw, job.out_dir / engine_file(job.rank, "tensorrt"), job.build, job.trt)
+        trtb.build_rank_engine(raw, job.out_dir / engine_file(job.rank, "tensorrt"), job.build, job.trt, all_reduces)
         return job.rank
     out = job.out_dir / engine_file(job.rank)
     raw = job.out_dir / f"rank{job.rank}.raw.onnx"
@@ -299,11 +312,12 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
     `build_flags` (the CLI's resolved flags) are recorded in config.json."""
     ckpt = load_checkpoint_config(ckpt_dir)
     ckpt_digest = verify_checkpoint(ckpt_dir)  # hashes every file: a damaged checkpoint never becomes an engine
-    build = dataclasses.replace(build, backend=resolve_backend(build.backend))
+    build = dataclasses.replace(build, backend=resolve_backend(build.backend, quant.mode if quant else None,
+                                                               build.kv_cache_dtype))
     check_build_config(ckpt.model, build)
     trt = trt or trtb.TensorRTOptions()
     if build.backend == "tensorrt":
-        trtb.check_tensorrt_build(build)
+        trtc.check_tensorrt_tp(import_tensorrt(), build.tp_size)
         trtb.check_options(trt)
         plugins = trtb.tensorrt_plugins(plugins)
         build = dataclasses.replace(build, opt_level="disable")  # TensorRT optimizes; no ORT level applies
@@ -314,11 +328,8 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         raise EngineError(f"checkpoint {ckpt_dir} is quantized ({ckpt.quantization.mode}); engines are quantized at "
                           "build from a float checkpoint: convert without quantization and pass --dtype "
                           f"{ckpt.quantization.mode} to `engine build`")
-    quant = resolve_quant(quant or QuantConfig(), ckpt_dir, ckpt, build.tp_size)
+    quant = resolve_quant(quant or QuantConfig(), ckpt_dir, ckpt, build.tp_size, build.backend)
     accuracy = accuracy or AccuracyOptions()
-    if quant.mode in calib.CALIBRATED and build.backend == "tensorrt":
-        raise EngineError(f"--dtype {quant.mode} is built for onnxruntime only so far (its calibrated kernels are "
-                          "not checked under TensorRT); pass --backend onnxruntime", usage=True)
     config = EngineConfig(
         model=ckpt.model, build=build, build_flags=dict(build_flags or {}), plugins=plugins,
         mapping=Mapping(world_size=build.tp_size, tp_size=build.tp_size, pp_size=1),

@@ -17,10 +17,12 @@ What the documentation says, and the choices it led to:
   INT8, FP8...): reduced precision comes from the graph's types and explicit Q/DQ nodes (TensorRT 11.0.0 release
   notes; "Migrating from TensorRT 10.x to 11.x", docs.nvidia.com/deeplearning/tensorrt/latest/api/migration/).
   On 10.x we opt in with NetworkDefinitionCreationFlag.STRONGLY_TYPED; 11.x accepts and ignores it. No builder
-  precision flag is ever set; weight-only modes reach TensorRT as DequantizeLinear + MatMul (the reference lowering,
-  symmetric: no zero point, which the parser requires). Whether TensorRT takes the blocked (group-wise) int8
-  DequantizeLinear of int8_wo, as it does int4 blocks, is unverified. TF32, on by default for FP32 layers, is
-  cleared: a float32 engine computes in float32.
+  precision flag is ever set; weight-only modes and int4_awq reach TensorRT as DequantizeLinear + MatMul (the
+  reference lowering, symmetric: no zero point, which the parser requires; int4 in blocks of 64 or 128, the only
+  ones TensorRT takes), fp8 as QuantizeLinear/DequantizeLinear with static per-tensor scales; int8_sq (scales
+  computed per token in the graph) is refused: builder/tensorrt_quant.py. Whether TensorRT takes the blocked
+  (group-wise) int8 DequantizeLinear of int8_wo, as it does int4 blocks, is unverified. TF32, on by default for
+  FP32 layers, is cleared: a float32 engine computes in float32.
 - Parser coverage. onnx-tensorrt docs/operators.md (TensorRT 10.0/10.1, commit 96e78110) lists every op of our
   reference lowerings as supported: Gather, ScatterND (no `reduction`), Where, Softmax, MatMul, Gemm, Split,
   Reshape, Transpose, Expand, Unsqueeze/Squeeze (axes as initializers: ours are), ReduceMean, Sqrt, Div, Tanh,
@@ -41,8 +43,14 @@ What the documentation says, and the choices it led to:
   (ScatterND writes kcache_out.{i}) and the runtime ping-pongs two pool buffers (runtime/trt_session.py): correct
   by the documented semantics, at twice the pool memory and one device copy of the pool per step. Measuring the
   alternatives (aliased ScatterND; a dense-cache layout for KVCacheUpdate/TensorScatter) needs a GPU.
-- Tensor parallelism: the tp > 1 graph all-reduces with com.microsoft AllReduce, which TensorRT cannot parse; tp > 1
-  TensorRT builds are refused until a NCCL-based all-reduce exists for this backend.
+- Tensor parallelism (TensorRT 11+). Each rank's graph marks its all-reduces (after o_proj and mlp down) with
+  com.microsoft AllReduce, which the parser does not know. `mark_all_reduces` turns each into an Identity and keeps
+  the pair of names; after parsing, `insert_all_reduces` adds a DistCollective layer (ALL_REDUCE, SUM, num_ranks =
+  tp) on the partial sum and points every reader of the Identity (or, had the parser folded it, of the partial sum)
+  at the layer's output (INetworkDefinition.add_dist_collective; "Multi-Device Inference", TensorRT 11 docs). The
+  collective runs inside the engine over the NCCL communicator the runtime sets on each rank's execution context
+  (runtime/tp/trt_shard.py). TensorRT 10.x has no such layer: tp > 1 is refused there with the installed version.
+  builder/tensorrt_collectives.py holds both steps.
 """
 from __future__ import annotations
 
@@ -59,6 +67,8 @@ import onnx
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.runtime.trt_session import import_tensorrt
+
+from .tensorrt_collectives import AllReduce, insert_all_reduces
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
 
@@ -166,13 +176,6 @@ def tensorrt_plugins(plugins: PluginConfig) -> PluginConfig:
                                weight_only_quant_matmul_plugin=False)
 
 
-def check_tensorrt_build(build: BuildConfig) -> None:
-    if build.tp_size > 1:
-        raise EngineError(f"--backend tensorrt with --tp {build.tp_size}: tensor-parallel TensorRT engines are not "
-                          "supported yet (the all-reduce is an ONNX Runtime contrib op TensorRT cannot parse); "
-                          "build with --tp 1 or --backend onnxruntime", usage=True)
-
-
 # ---- availability ---------------------------------------------------------------------------------------------
 
 def tensorrt_unavailable() -> str | None:
@@ -216,9 +219,10 @@ def network_flags(trt) -> int:
     return 0 if flag is None else 1 << int(flag)
 
 
-def build_serialized(trt, onnx_path: Path, settings: BuilderSettings, *,
-                     log: Callable[[str], None] | None = None) -> bytes:
-    """ONNX file -> serialized engine with `trt` (the tensorrt module): parser, config, build, timing cache."""
+def build_serialized(trt, onnx_path: Path, settings: BuilderSettings, *, all_reduces: tuple[AllReduce, ...] = (),
+                     num_ranks: int = 1, log: Callable[[str], None] | None = None) -> bytes:
+    """ONNX file -> serialized engine with `trt` (the tensorrt module): parser, config, build, timing cache;
+    `all_reduces` (mark_all_reduces) become DistCollective layers over `num_ranks` ranks."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(network_flags(trt))
@@ -228,6 +232,7 @@ def build_serialized(trt, onnx_path: Path, settings: BuilderSettings, *,
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineError(f"TensorRT's ONNX parser rejected {onnx_path.name}: {errors}. This graph flavour has not "
                           "been verified on a GPU yet: please report it, and use --backend onnxruntime meanwhile")
+    insert_all_reduces(trt, network, all_reduces, num_ranks)
     config = builder.create_builder_config()
     # TensorRT runs FP32 layers in TF32 by default (BuilderFlag.TF32); a float32 engine means float32.
     tf32 = getattr(trt.BuilderFlag, "TF32", None)
@@ -253,11 +258,13 @@ def build_serialized(trt, onnx_path: Path, settings: BuilderSettings, *,
     return bytes(plan)
 
 
-def build_rank_engine(raw_onnx: Path, out: Path, build: BuildConfig, opts: TensorRTOptions) -> None:
+def build_rank_engine(raw_onnx: Path, out: Path, build: BuildConfig, opts: TensorRTOptions,
+                      all_reduces: tuple[AllReduce, ...] = ()) -> None:
     """rank{N}.raw.onnx (+ .data) -> rank{N}.engine; the ONNX files are deleted once the engine is written."""
     trt = import_tensorrt()
     dims = graph_input_dims(onnx.load(str(raw_onnx), load_external_data=False))
-    out.write_bytes(build_serialized(trt, raw_onnx, builder_settings(dims, build, opts)))
+    out.write_bytes(build_serialized(trt, raw_onnx, builder_settings(dims, build, opts), all_reduces=all_reduces,
+                                     num_ranks=build.tp_size))
     raw_onnx.unlink()
     raw_onnx.with_name(f"{raw_onnx.name}.data").unlink(missing_ok=True)
 

@@ -149,7 +149,7 @@ def build_command(
     if eval_data is not None and not eval_data.is_file():
         raise EngineError(f"--eval-data {eval_data} is not a file; pass a UTF-8 text file", usage=True)
     accuracy = AccuracyOptions(eval_data=eval_data, max_ppl_increase=max_ppl_increase, eval_tokens=eval_tokens)
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, mode, kv_cache_dtype)
     from engine.builder.tensorrt_backend import TensorRTOptions, check_options, parse_size
     trt = TensorRTOptions(workspace_size=parse_size(workspace_size) if workspace_size is not None else None,
                           input_timing_cache=input_timing_cache, output_timing_cache=output_timing_cache)
@@ -174,8 +174,8 @@ def build_command(
         table = Table(title=f"memory plan of {ckpt.model.architecture}, tp {build.tp_size} (dry run: nothing built)")
         table.add_column("item")
         table.add_column("size", justify="right")
-        rows = plan_rows(memory_plan(ckpt.model, build, resolve_quant(requested, checkpoint_dir, ckpt, build.tp_size)),
-                         build)
+        quant = resolve_quant(requested, checkpoint_dir, ckpt, build.tp_size, build.backend)
+        rows = plan_rows(memory_plan(ckpt.model, build, quant), build)
         if as_json:
             print_json("build", {"dry_run": True, "build": build, "memory_plan": dict(rows)})
             return

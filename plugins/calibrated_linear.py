@@ -98,6 +98,8 @@ def calibrated_linear(g: Graph, x: str, w: CalibratedWeight, bias: np.ndarray | 
         return _add_bias(g, op, y, bias, bias_name)
     if w.mode == "fp8":
         a_scale = g.weight(f"{stem}.activation_scaling_factor", np.asarray(w.input_scale, np.float32))
+        # the e4m3 zero point sets the output type; TensorRT's parser also reads it so (without one it quantizes
+        # to INT8: onnx-tensorrt QuantDequantLinearHelper) and accepts it, as it never checks an FP8 zero point
         zero = g.const(0, ml_dtypes.float8_e4m3fn)
         xd = op("DequantizeLinear", [op("QuantizeLinear", [x, a_scale, zero]), a_scale])
         y = op("MatMul", [xd, op("DequantizeLinear", [values, scales])])

@@ -9,7 +9,7 @@
                checkpoint already in 4-bit blocks of 32 keeps them as int4_wo does (group 32; AWQ on lm_head only)
     w4a8_awq, nvfp4    named, refused until implemented
 The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
-Calibrated modes (quantization/calibrate.py) build tp 1 onnxruntime engines.
+Calibrated modes (quantization/calibrate.py) build tp 1 engines (int8_sq on onnxruntime only).
 
 Group size of int8_wo. TensorRT-LLM's int8_wo is per-channel (one scale per output row). MatMulNBits takes
 block sizes 16..256 only (a power of two; 512 and K itself are refused by ORT 1.32's packer), and SmolLM2's in

@@ -128,7 +128,5 @@ def load_runnable_engine(engine_dir: Path, backend: str) -> EngineConfig:
         raise EngineError(f"{engine_dir} is a {config.build.backend} engine; this session runs {backend} engines")
     if config.mapping.world_size != 1:
         raise EngineError(f"{engine_dir} is a tp={config.mapping.tp_size} engine: it runs with one process per rank "
-                          "(LLM, `engine run`, `engine serve`), not in one session"
-                          + ("" if backend == "onnxruntime" else f"; tensor-parallel {backend} engines cannot run yet: "
-                             "rebuild with `engine build --tp 1`"))
+                          "(LLM, `engine run`, `engine serve`), not in one session")
     return config

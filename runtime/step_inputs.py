@@ -45,6 +45,12 @@ class SeqChunk:
 ROW_OVERHEAD = 12
 
 
+def max_attention_rows(config) -> int | None:
+    """The attention batch bound of an engine: TensorRT's optimization profile admits max_batch_size rows; None
+    (no bound) on onnxruntime. `config`: its EngineConfig."""
+    return config.build.max_batch_size if config.build.backend == "tensorrt" else None
+
+
 def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_window: int | None,
                      max_rows: int | None = None) -> dict[str, np.ndarray]:
     """Graph inputs for `chunks` (all but the KV pools); `attn_mask_sliding` only when `sliding_window`.

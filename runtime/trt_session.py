@@ -1,5 +1,7 @@
-"""The TensorRT executor: one deserialized rank0.engine, its execution context and a KV pool in device memory,
+"""The TensorRT executor: one deserialized rank{N}.engine, its execution context and a KV pool in device memory,
 behind the interface of runtime/session.py (`run(chunks) -> logits`, `config`, `num_blocks`, `tokens_per_block`).
+A tp > 1 engine runs one TrtSession per rank and process (runtime/tp/trt_shard.py), each on GPU rank % visible GPUs,
+its all-reduces inside the engine over the NCCL communicator given by `set_communicator`.
 
 NOTHING IN THIS MODULE HAS RUN ON A GPU. TensorRT cannot be installed on the machines this project is developed
 on (no GPU; its PyPI wheels fetch the libraries from NVIDIA's index). The code follows TensorRT's documented Python
@@ -34,6 +36,7 @@ This module must not import builder/ or recipes/; torch (for CUDA memory) and te
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +49,7 @@ from engine.core.parallel import kv_heads_per_rank
 from engine.core.serde import from_json, read_json, write_json
 
 from .engine_dir import REBUILD, load_runnable_engine, verifying_files
-from .step_inputs import SeqChunk, check_step, make_step_inputs
+from .step_inputs import SeqChunk, check_step, make_step_inputs, max_attention_rows
 
 STAMP_FILE = "tensorrt.json"
 INSTALL = "install the `tensorrt` extra (pip install 'engine[tensorrt]') on a machine with an NVIDIA GPU"
@@ -98,25 +101,31 @@ def import_tensorrt():
     return tensorrt
 
 
-def cuda_device() -> tuple[str, str]:
-    """(compute capability "major.minor", name) of the current CUDA device; EngineError when none is visible."""
+def cuda_device(index: int | None = None) -> tuple[str, str]:
+    """(compute capability "major.minor", name) of CUDA device `index` (None: the current one); EngineError when
+    none is visible."""
     import torch
     if not torch.cuda.is_available():
         raise EngineError("TensorRT engines run on an NVIDIA GPU and no CUDA device is visible to torch "
                           "(torch.cuda.is_available() is False): run on a GPU machine with a CUDA build of torch")
-    major, minor = torch.cuda.get_device_capability()
-    return f"{major}.{minor}", torch.cuda.get_device_name()
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"{major}.{minor}", torch.cuda.get_device_name(index)
 
 
 class TrtSession:
-    def __init__(self, engine_dir: Path, *, num_blocks: int):
+    def __init__(self, engine_dir: Path, *, num_blocks: int, rank: int = 0, config: EngineConfig | None = None):
+        """A tp=1 engine (its files verified while TensorRT deserializes), or with `config` (already checked) one
+        rank of a tp > 1 engine, on GPU `rank` modulo the visible GPUs (runtime/tp/trt_shard.py)."""
         import torch
 
         engine_dir = Path(engine_dir)
-        self.config: EngineConfig = load_runnable_engine(engine_dir, "tensorrt")
+        self.config: EngineConfig = config or load_runnable_engine(engine_dir, "tensorrt")
         cfg, build = self.config, self.config.build
         trt = import_tensorrt()
-        capability, name = cuda_device()
+        cuda_device()  # raises when no GPU is visible
+        self._device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(self._device)  # TensorRT and NCCL work on the current device
+        capability, name = cuda_device(self._device.index)
         stamp = load_stamp(engine_dir)
         check_device(stamp, trt.__version__, capability, name, engine_dir)
         slots = num_blocks * build.tokens_per_block
@@ -131,18 +140,18 @@ class TrtSession:
 
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        with verifying_files(engine_dir, self.config):  # hashes every file while TensorRT deserializes the plan
-            plan = (engine_dir / engine_file(0, "tensorrt")).read_bytes()
-            self._engine = self._runtime.deserialize_cuda_engine(plan)
+        plan_file = engine_dir / engine_file(rank, "tensorrt")
+        # hashes every file while TensorRT deserializes the plan (a tp > 1 session does it for all its ranks)
+        with verifying_files(engine_dir, self.config) if config is None else contextlib.nullcontext():
+            self._engine = self._runtime.deserialize_cuda_engine(plan_file.read_bytes())
         if self._engine is None:
-            raise EngineError(f"TensorRT could not deserialize {engine_dir / engine_file(0, 'tensorrt')} (see its log "
-                              f"above); {REBUILD.format(dir=engine_dir)} --backend tensorrt")
+            raise EngineError(f"TensorRT could not deserialize {plan_file} (see its log above); "
+                              f"{REBUILD.format(dir=engine_dir)} --backend tensorrt")
         self._context = self._engine.create_execution_context()
         self._inputs = {self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)
                         if self._engine.get_tensor_mode(self._engine.get_tensor_name(i)) == trt.TensorIOMode.INPUT}
-        self._device = torch.device("cuda")
         self._stream = torch.cuda.Stream()
-        kv_size = kv_heads_per_rank(model, 1) * model.head_dim
+        kv_size = kv_heads_per_rank(model, cfg.mapping.tp_size) * model.head_dim
         # pools[p][i] = (k, v) of layer i in buffer p; zeros, not empty: padded context entries read slot 0 under a
         # False mask, and 0 * NaN would poison the softmax (plugins/attention.py).
         # TensorRT 11.4 reports outputs that alias an input (ICudaEngine.get_aliased_input_tensor, "for certain
@@ -155,13 +164,28 @@ class TrtSession:
                         for _ in range(model.num_layers)] for _ in range(1 if in_place else 2)]
         self._cur = 0
 
+    @property
+    def kv_pool(self) -> list:
+        """[(k, v)] per layer: the device buffers the next step reads."""
+        return self._pools[self._cur]
+
     def run(self, chunks: list[SeqChunk]) -> np.ndarray:
         """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
+        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding, max_attention_rows(self.config))
+        check_step(inputs, chunks, self.config, self.num_blocks)
+        return self.run_inputs(inputs)[:, :self.config.model.vocab_size]
+
+    def set_communicator(self, capsule) -> None:
+        """The NCCL communicator (a PyCapsule of ncclComm_t) the engine's DistCollective layers use; a collective
+        call: every rank makes it."""
+        if not self._context.set_communicator(capsule):
+            raise EngineError("TensorRT refused the NCCL communicator of this tensor-parallel engine (see its log "
+                              "above)")
+
+    def run_inputs(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The engine's logits output [S, vocab columns of this rank] for the step `inputs` (make_step_inputs)."""
         import torch
 
-        # The optimization profiles bound the attention batch to max_batch_size rows.
-        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding, self.config.build.max_batch_size)
-        check_step(inputs, chunks, self.config, self.num_blocks)
         ctx = self._context
         keep = []  # device copies must outlive the asynchronous execution
         with torch.cuda.stream(self._stream):
@@ -186,7 +210,7 @@ class TrtSession:
                 raise EngineError("TensorRT failed to enqueue the step (see its log above)")
         self._stream.synchronize()
         self._cur = (self._cur + 1) % len(self._pools)
-        return logits.cpu().numpy()[:, :self.config.model.vocab_size]
+        return logits.cpu().numpy()
 
 
 def _on_device(torch, array: np.ndarray, device):

@@ -11,6 +11,10 @@
                   ─▶ [S, vocab_size]
     close():      SHUTDOWN to the workers, which exit 0; called at interpreter exit too
 
+A TensorRT engine's ranks are the same processes with TrtRankShard (runtime/tp/trt_shard.py): each runs one engine
+on its own GPU whose DistCollective layers all-reduce over NCCL, and the process group here only carries the steps
+and gathers the logits.
+
 Faults. A monitor thread polls the spawned workers every 0.2 s and, while the engine is idle, exchanges a PING with
 every rank each timeout/4 seconds (the workers' wait for the next step is bounded by the same timeout). A rank that
 dies makes the next collective fail at once (its connection closes); one that hangs makes it fail after the timeout.
@@ -38,11 +42,11 @@ from engine.core.engine_config import EngineConfig
 from engine.core.errors import EngineError
 
 from ..engine_dir import load_engine_config, verifying_files
-from ..step_inputs import SeqChunk, check_step, make_step_inputs
+from ..step_inputs import SeqChunk, check_step, make_step_inputs, max_attention_rows
 from . import protocol
 from .config import DistributedConfig
 from .group import NUM_BLOCKS, CollectiveError, Group, open_store, wait_for_ranks
-from .shard import RankShard
+from .shard import open_shard
 
 log = logging.getLogger("engine.runtime")
 
@@ -56,9 +60,6 @@ class TPSession:
         self.config: EngineConfig = load_engine_config(engine_dir)
         cfg, build = self.config, self.config.build
         tp = cfg.mapping.tp_size
-        if build.backend != "onnxruntime":
-            raise EngineError(f"{engine_dir} is a tp={tp} {build.backend} engine; tensor-parallel execution runs "
-                              "onnxruntime engines only: rebuild with --backend onnxruntime or --tp 1")
         if num_blocks < 1:
             raise EngineError(f"num_blocks {num_blocks} must be at least 1")
         dist = distributed or DistributedConfig()
@@ -87,9 +88,10 @@ class TPSession:
                 self._spawn(engine_dir, dist, threads)
             store.set(NUM_BLOCKS, str(num_blocks))
             with verifying_files(engine_dir, cfg):  # every rank's files against the manifest, hashed meanwhile
-                self._shard = RankShard(engine_dir, cfg, 0, num_blocks=num_blocks, threads=threads)
+                self._shard = open_shard(engine_dir, cfg, 0, num_blocks=num_blocks, threads=threads)
             self.kv_pool = self._shard.kv_pool
             wait_for_ranks(store, dist, alive=self._exit_reason)
+            self._shard.join(store, dist.world_size)
             self._group = Group(store, dist)
         except BaseException:
             self._kill_workers()
@@ -104,7 +106,7 @@ class TPSession:
     def run(self, chunks: list[SeqChunk]) -> np.ndarray:
         """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
         self._check_alive()
-        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
+        inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding, max_attention_rows(self.config))
         check_step(inputs, chunks, self.config, self.num_blocks)
         head, payload = protocol.encode(chunks)
         with self._lock:

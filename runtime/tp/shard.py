@@ -1,6 +1,8 @@
 """One rank's part of a tp > 1 engine: its segment graphs (core/engine_config.py), their KV pools, one step at a time.
 
+    open_shard(...)                           this rank's shard: RankShard, or TrtRankShard (runtime/tp/trt_shard.py)
     RankShard(engine_dir, rank, num_blocks)   one ORT session + IOBinding per segment, created once
+    join(store, world_size)                   nothing to do: the segments all-reduce through the caller's `reduce`
     run(inputs, reduce) -> logits columns of this rank [S, vocab_padded / tp]
 
     step inputs ─OrtValue once─▶ every segment that reads them
@@ -99,6 +101,9 @@ class RankShard:
             # Outputs ORT allocates: rebound before every run, else ORT reuses the last run's (shape-fixed) value.
             self._allocated_out.append([n for n in seg.outputs if n != allreduce_name(k) and n not in pool_outputs])
 
+    def join(self, store, world_size: int) -> None:
+        """Called on every rank once all have loaded; segment shards need no communicator of their own."""
+
     def run(self, inputs: dict[str, np.ndarray], reduce: Callable[[np.ndarray], None]) -> np.ndarray:
         """This rank's logits columns [S, vocab_padded / tp] for the step `inputs`; `reduce(array)` sums an
         array over the ranks in place (every rank calls it at the same points, in the same order)."""
@@ -129,3 +134,12 @@ class RankShard:
             else:
                 return outs[seg.index[LOGITS]].numpy()
         raise AssertionError("unreachable")
+
+
+def open_shard(engine_dir: Path, config: EngineConfig, rank: int, *, num_blocks: int, threads: int | None = None):
+    """This rank's part of the engine: ONNX Runtime segment graphs, or one TensorRT engine whose all-reduces run
+    inside it (torch CUDA, tensorrt and nccl4py are imported only then)."""
+    if config.build.backend == "tensorrt":
+        from .trt_shard import TrtRankShard
+        return TrtRankShard(engine_dir, config, rank, num_blocks=num_blocks)
+    return RankShard(engine_dir, config, rank, num_blocks=num_blocks, threads=threads)

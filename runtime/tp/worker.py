@@ -19,11 +19,11 @@ import numpy as np
 from engine.core.errors import EngineError
 
 from ..engine_dir import load_engine_config
-from ..step_inputs import make_step_inputs
+from ..step_inputs import make_step_inputs, max_attention_rows
 from . import protocol
 from .config import DistributedConfig
 from .group import ERROR, NUM_BLOCKS, READY, Group, open_store
-from .shard import RankShard
+from .shard import open_shard
 
 
 def serve_rank(engine_dir: Path, dist: DistributedConfig, threads: int | None = None) -> None:
@@ -35,7 +35,7 @@ def serve_rank(engine_dir: Path, dist: DistributedConfig, threads: int | None = 
     store = open_store(dist)
     try:
         num_blocks = int(store.get(NUM_BLOCKS))
-        shard = RankShard(engine_dir, config, dist.rank, num_blocks=num_blocks, threads=threads)
+        shard = open_shard(engine_dir, config, dist.rank, num_blocks=num_blocks, threads=threads)
     except Exception as e:
         try:
             store.set(ERROR.format(dist.rank), str(e) or type(e).__name__)
@@ -46,9 +46,11 @@ def serve_rank(engine_dir: Path, dist: DistributedConfig, threads: int | None = 
                               f"{dist.timeout_s:g} s ({e})") from None
         raise
     store.set(READY.format(dist.rank), "ok")
+    shard.join(store, dist.world_size)
     group = Group(store, dist)
     model, tpb = config.model, config.build.tokens_per_block
     sliding = model.sliding_window if "sliding" in model.layer_types else None
+    rows = max_attention_rows(config)
     while True:
         head = group.header(None, protocol.HEADER_SIZE)
         command = int(head[0])
@@ -60,7 +62,7 @@ def serve_rank(engine_dir: Path, dist: DistributedConfig, threads: int | None = 
             raise EngineError(f"tensor-parallel rank {dist.rank}: unknown command {command} from rank 0")
         payload = np.empty(protocol.payload_size(head), dtype=np.int64)
         group.broadcast(payload)
-        inputs = make_step_inputs(protocol.decode(head, payload), tpb, sliding)
+        inputs = make_step_inputs(protocol.decode(head, payload), tpb, sliding, rows)
         group.gather(shard.run(inputs, group.all_reduce))
 
 

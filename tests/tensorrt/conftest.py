@@ -19,10 +19,13 @@ TRT_FLAVOUR_BUILD = dataclasses.replace(TEST_BUILD, opt_level="disable")
 
 
 class TrtFlavourEngines(TinyEngines):
-    def trt_flavour(self, key: str) -> Path:
-        d = self.root / slug(key) / "engine_trt_flavour"
+    def trt_flavour(self, key: str, tp_size: int = 1) -> Path:
+        """tp > 1: each rank's graph cut at its all-reduces into segments (builder/segments.py), which onnxruntime's
+        tensor-parallel runtime runs."""
+        d = self.root / slug(key) / f"engine_trt_flavour_tp{tp_size}"
         if not d.exists():
-            build_engine(self.checkpoint(key), d, TRT_FLAVOUR_BUILD, tensorrt_plugins(ALL_PLUGINS))
+            build = dataclasses.replace(TRT_FLAVOUR_BUILD, tp_size=tp_size)
+            build_engine(self.checkpoint(key), d, build, tensorrt_plugins(ALL_PLUGINS))
         return d
 
 

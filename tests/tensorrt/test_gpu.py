@@ -1,5 +1,5 @@
 """TensorRT on a GPU: build the tiny models and the real one with `--backend tensorrt`, run them with TrtSession,
-and compare with transformers. Skipped where TensorRT or a CUDA GPU is missing, which includes every machine this
+and compare with transformers; on two GPUs with TensorRT 11 and nccl4py, a tp=2 engine against the tp=1 one. Skipped where TensorRT or a CUDA GPU is missing, which includes every machine this
 project has been developed and tested on so far: these tests have NEVER RUN. They need build.py's TensorRT wiring
 (the `trt=` argument of build_engine)."""
 from __future__ import annotations
@@ -84,3 +84,39 @@ def test_real_model_parity(smollm2_hf_dir, tmp_path):
     ref_tokens, ref_logits = hf_greedy(model, ids, 32)
     assert tokens == ref_tokens
     assert_logits_close(logits, ref_logits, what="TensorRT SmolLM2 greedy logits")
+
+
+def two_gpus_with_nccl() -> str | None:
+    """Why a tp=2 TensorRT engine cannot run here (None when it can)."""
+    import importlib.util
+
+    import torch
+    if WHY is not None:
+        return WHY
+    if torch.cuda.device_count() < 2:
+        return f"{torch.cuda.device_count()} GPU visible"
+    if importlib.util.find_spec("nccl") is None:
+        return "nccl4py is not installed"
+    import tensorrt
+    if not hasattr(tensorrt.INetworkDefinition, "add_dist_collective"):
+        return f"TensorRT {tensorrt.__version__} has no DistCollective layer"
+    return None
+
+
+def test_tp2_matches_tp1(tiny, tmp_path):
+    why = two_gpus_with_nccl()
+    if why:
+        pytest.skip(f"needs two GPUs, TensorRT 11 and nccl4py: {why}")
+    from engine.runtime.trt_session import TrtSession
+    from engine.runtime.tp.session import TPSession
+    from tests.tp.parity import check_same_as_tp1
+
+    key = "LlamaForCausalLM"
+    build_trt(tiny.checkpoint(key), tmp_path / "tp1", TEST_BUILD, tmp_path)
+    build_trt(tiny.checkpoint(key), tmp_path / "tp2", dataclasses.replace(TEST_BUILD, tp_size=2), tmp_path)
+    session = TPSession(tmp_path / "tp2", num_blocks=64)
+    try:
+        check_same_as_tp1(TrtSession(tmp_path / "tp1", num_blocks=64), session, prompts(3, (5, 13, 30), seed=1),
+                          steps=6, what="TensorRT tp=2")
+    finally:
+        session.close()

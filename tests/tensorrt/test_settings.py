@@ -3,13 +3,11 @@ the optimization profile against the real graph inputs and real step inputs, bac
 and the device stamp check that refuses an engine built elsewhere."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx
 import pytest
 
-from engine.builder.tensorrt_backend import (TensorRTOptions, builder_settings, check_options, check_tensorrt_build,
+from engine.builder.tensorrt_backend import (TensorRTOptions, builder_settings, check_options,
                                              choose_backend, dim_ranges, graph_input_dims, max_slots, parse_size,
                                              profile_shapes, tensorrt_plugins)
 from engine.core.engine_config import BuildConfig, PluginConfig, engine_file
@@ -125,12 +123,6 @@ def test_tensorrt_flavour_plugins():
     assert not tensorrt_plugins(PluginConfig(gemm_swiglu_plugin=False)).gemm_swiglu_plugin
 
 
-def test_tensor_parallel_refused():
-    check_tensorrt_build(BuildConfig(tp_size=1))
-    with pytest.raises(EngineError, match="--tp 2"):
-        check_tensorrt_build(dataclasses.replace(BuildConfig(), tp_size=2))
-
-
 def test_device_stamp_mismatch_says_rebuild(tmp_path):
     stamp = DeviceStamp(tensorrt_version="10.13.3", compute_capability="9.0", device_name="NVIDIA H200")
     check_device(stamp, "10.13.3", "9.0", "NVIDIA H200", tmp_path)
@@ -138,3 +130,15 @@ def test_device_stamp_mismatch_says_rebuild(tmp_path):
         check_device(stamp, "11.4.0", "9.0", "NVIDIA H200", tmp_path)
     with pytest.raises(EngineError, match=r"compute capability 9\.0 \(NVIDIA H200\).*has 8\.9.*rebuild"):
         check_device(stamp, "10.13.3", "8.9", "NVIDIA L4", tmp_path)
+
+
+def test_auto_picks_onnxruntime_for_what_tensorrt_cannot_build(monkeypatch):
+    """Where TensorRT and a GPU are there (simulated: the availability probe says so), `auto` still picks
+    onnxruntime for int8_sq and a quantized KV cache; an explicit tensorrt is left to the build's refusal."""
+    from engine.builder import tensorrt_backend
+    from engine.builder.build import resolve_backend
+    monkeypatch.setattr(tensorrt_backend, "tensorrt_unavailable", lambda: None)
+    assert resolve_backend("auto") == resolve_backend("auto", "fp8") == resolve_backend("auto", "int4_awq") == "tensorrt"
+    assert resolve_backend("auto", "int8_sq") == resolve_backend("auto", None, "int8") == "onnxruntime"
+    assert resolve_backend("tensorrt", "int8_sq") == "tensorrt"
+    assert resolve_backend("onnxruntime") == "onnxruntime"
