@@ -45,7 +45,7 @@ from engine.quantization import kv_cache
 from engine.quantization.calibrate import CalibrationOptions
 from engine.quantization.weight_only import BITS, block_grid
 from engine.runtime.engine_dir import backend_version, toolchain_version
-from engine.runtime.trt_session import import_tensorrt, save_stamp
+from engine.runtime.trt_session import import_tensorrt
 
 from . import onnxruntime_backend as ortb
 from . import tensorrt_backend as trtb
@@ -368,7 +368,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
                 if progress:
                     progress(engine_file(job.rank, build.backend))
         if build.backend == "tensorrt":
-            save_stamp(tmp, trtb.device_stamp(build))
+            config = dataclasses.replace(config, backend_device=trtb.device_stamp(build).record())
         copy_tokenizer_files(ckpt_dir, tmp)
         # last: the manifest lists every other file (the accuracy report below changes config.json only)
         config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)

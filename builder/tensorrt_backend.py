@@ -9,8 +9,8 @@ developed (shared/anchors/check_tensorrt.txt), so this module is written to Tens
         ──build_serialized(trt, ...)──▶ Builder ─ create_network(STRONGLY_TYPED) ─ OnnxParser.parse_from_file
             ─ create_builder_config: set_memory_pool_limit(WORKSPACE), add_optimization_profile, set_timing_cache
             ─ build_serialized_network ──▶ rank{N}.engine  (+ the timing cache written to --output-timing-cache)
-    tensorrt.json (runtime/trt_session.DeviceStamp): TensorRT version + the GPU's compute capability; the
-        TensorRT version is also config.json's backend_version. Loading refuses either mismatch with a rebuild hint.
+    config.json (runtime/trt_session.DeviceStamp): the TensorRT version (backend_version) and the GPU's compute
+        capability (backend_device). Loading refuses either mismatch with a rebuild hint.
 
 What the documentation says, and the choices it led to:
 - Strong typing. TensorRT 11 makes every network strongly typed and removes the precision builder flags (FP16,
@@ -270,7 +270,8 @@ def build_rank_engine(raw_onnx: Path, out: Path, build: BuildConfig, opts: Tenso
 
 
 def device_stamp(build: BuildConfig):
-    """What this engine is tied to (written as tensorrt.json): the installed TensorRT and the current GPU."""
+    """What this engine is tied to (config.json's backend_version and backend_device): the installed TensorRT and
+    the current GPU."""
     from engine.runtime.trt_session import DeviceStamp, cuda_device
     trt = import_tensorrt()
     capability, name = cuda_device()

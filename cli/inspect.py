@@ -70,6 +70,8 @@ def inspect_command(
     console.print(_table("versions", [
         ("format", f"{config.format} {config.format_version}"),
         ("built by", f"engine {config.toolchain_version}, {b} {config.backend_version}"),
+        *([("built for", "compute capability {compute_capability} ({device_name})".format(**config.backend_device))]
+          if config.backend_device else []),
         ("installed", f"engine {toolchain_version()}, {b} {backend_version(b) or '(not installed)'}"),
         ("runs here", loadable),
         ("digest", digest_file(path)),

@@ -143,6 +143,9 @@ class EngineConfig:
     precision: dict = field(default_factory=dict)  # what runs at which precision, for `engine inspect`
     toolchain_version: str = ""
     backend_version: str = ""
+    # TensorRT engines: the GPU they were built for (runtime/trt_session.DeviceStamp: compute_capability,
+    # device_name, max_slots); loading refuses another architecture. {} on onnxruntime
+    backend_device: dict = field(default_factory=dict)
     format: str = ENGINE_FORMAT
     format_version: int = ENGINE_FORMAT_VERSION
     manifest: Manifest = field(default_factory=Manifest)  # written last, when every other file is complete

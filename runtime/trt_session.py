@@ -11,7 +11,7 @@ ExecutionContext.html). What runs here is the device stamp check (`check_device`
 
     TrtSession(engine_dir, num_blocks)
         checks: backend tensorrt, installed TensorRT == config.json's backend_version (load_engine_config),
-                this GPU's compute capability == tensorrt.json's (an engine is specific to both)
+                this GPU's compute capability == config.json's backend_device (an engine is specific to both)
         pool: two buffers per K/V pool (ping-pong), torch.cuda float32 [num_blocks * tokens_per_block, kv_size]
     run(chunks):
         step inputs (numpy, runtime/step_inputs.py) ─copy─▶ device tensors ─set_input_shape/set_tensor_address─┐
@@ -46,35 +46,37 @@ from engine.core.engine_config import (LOGITS, EngineConfig, engine_file, kcache
                                        vcache_name, vcache_out_name)
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
-from engine.core.serde import from_json, read_json, write_json
+from engine.core.serde import from_json
 
 from .engine_dir import REBUILD, load_runnable_engine, verifying_files
 from .step_inputs import SeqChunk, check_step, make_step_inputs, max_attention_rows
 
-STAMP_FILE = "tensorrt.json"
 INSTALL = "install the `tensorrt` extra (pip install 'engine[tensorrt]') on a machine with an NVIDIA GPU"
 
 
 @dataclass(frozen=True)
 class DeviceStamp:
     """What a serialized TensorRT engine is tied to: the TensorRT version that built it and the GPU's compute
-    capability (an engine's kernels are chosen for one architecture). Written by the builder next to config.json."""
+    capability (an engine's kernels are chosen for one architecture). Recorded in config.json: backend_version and
+    backend_device."""
     tensorrt_version: str
     compute_capability: str          # "9.0" for sm_90
     device_name: str = ""
     max_slots: int = 0               # KV pool rows the optimization profile allows (num_blocks * tokens_per_block)
 
+    def record(self) -> dict:
+        """config.json's backend_device (the TensorRT version is its backend_version)."""
+        return {"compute_capability": self.compute_capability, "device_name": self.device_name,
+                "max_slots": self.max_slots}
 
-def save_stamp(engine_dir: Path, stamp: DeviceStamp) -> None:
-    write_json(Path(engine_dir) / STAMP_FILE, stamp)
 
-
-def load_stamp(engine_dir: Path) -> DeviceStamp:
-    path = Path(engine_dir) / STAMP_FILE
-    if not path.is_file():
-        raise EngineError(f"{engine_dir} lacks {STAMP_FILE} (the TensorRT version and GPU it was built for); "
-                          f"{REBUILD.format(dir=engine_dir)} --backend tensorrt")
-    return from_json(DeviceStamp, read_json(path), where=str(path))
+def stamp_of(config: EngineConfig, engine_dir: Path) -> DeviceStamp:
+    """The DeviceStamp config.json records, or an EngineError saying to rebuild when it records none."""
+    if not config.backend_device:
+        raise EngineError(f"{engine_dir}/config.json does not record the GPU the engine was built for "
+                          f"(backend_device); {REBUILD.format(dir=engine_dir)} --backend tensorrt")
+    return from_json(DeviceStamp, {"tensorrt_version": config.backend_version, **config.backend_device},
+                     where=f"{engine_dir}/config.json backend_device")
 
 
 def check_device(stamp: DeviceStamp, tensorrt_version: str, compute_capability: str, device_name: str,
@@ -126,7 +128,7 @@ class TrtSession:
         self._device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(self._device)  # TensorRT and NCCL work on the current device
         capability, name = cuda_device(self._device.index)
-        stamp = load_stamp(engine_dir)
+        stamp = stamp_of(cfg, engine_dir)
         check_device(stamp, trt.__version__, capability, name, engine_dir)
         slots = num_blocks * build.tokens_per_block
         if num_blocks < 1 or slots > stamp.max_slots:

@@ -30,11 +30,12 @@ def build_trt(ckpt, out, build, tmp_path):
 @pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
 def test_tiny_parity(tiny, key, tmp_path):
     from engine.core.engine_config import engine_file
-    from engine.runtime.trt_session import STAMP_FILE, TrtSession
+    from engine.runtime.trt_session import TrtSession
     out = tmp_path / "engine"
     build_trt(tiny.checkpoint(key), out, TEST_BUILD, tmp_path)
-    assert (out / engine_file(0, "tensorrt")).is_file() and (out / STAMP_FILE).is_file()
-    assert read_json(out / "config.json")["build"]["backend"] == "tensorrt"
+    assert (out / engine_file(0, "tensorrt")).is_file()
+    recorded = read_json(out / "config.json")
+    assert recorded["build"]["backend"] == "tensorrt" and recorded["backend_device"]["compute_capability"]
     assert (tmp_path / "timing.cache").stat().st_size > 0
     session = TrtSession(out, num_blocks=64)
     model = tiny.hf_model(key)

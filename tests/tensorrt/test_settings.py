@@ -142,3 +142,19 @@ def test_auto_picks_onnxruntime_for_what_tensorrt_cannot_build(monkeypatch):
     assert resolve_backend("auto", "int8_sq") == resolve_backend("auto", None, "int8") == "onnxruntime"
     assert resolve_backend("tensorrt", "int8_sq") == "tensorrt"
     assert resolve_backend("onnxruntime") == "onnxruntime"
+
+
+def test_config_records_the_gpu(tiny):
+    """config.json's backend_version and backend_device are the DeviceStamp loading checks; an engine recording no
+    GPU is refused with the rebuild command."""
+    import dataclasses
+
+    from engine.runtime.engine_dir import load_engine_config
+    from engine.runtime.trt_session import stamp_of
+    engine_dir = tiny.trt_flavour("LlamaForCausalLM")
+    config = load_engine_config(engine_dir)
+    with pytest.raises(EngineError, match=r"does not record the GPU .*engine build .*--backend tensorrt"):
+        stamp_of(config, engine_dir)
+    stamp = DeviceStamp(tensorrt_version="11.4.0", compute_capability="9.0", device_name="NVIDIA H200", max_slots=512)
+    recorded = dataclasses.replace(config, backend_version="11.4.0", backend_device=stamp.record())
+    assert stamp_of(recorded, engine_dir) == stamp
