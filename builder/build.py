@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -39,7 +37,7 @@ from engine.core.parallel import check_tp
 from engine.core.sharding import Packer, shard, unpack_and_merge
 from engine.core.tensors import rank_elements
 from engine.quantization import modes
-from engine.quantization.accuracy import AccuracyOptions, accuracy_report, check_gate, held_out_windows
+from engine.quantization.accuracy import AccuracyOptions, check_gate
 from engine.quantization import calibrated as calib
 from engine.quantization import kv_cache
 from engine.quantization.calibrate import CalibrationOptions
@@ -53,6 +51,7 @@ from . import tensorrt_collectives as trtc
 from . import tensorrt_quant as trtq
 from .memory import memory_plan
 from .model_graph import build_graph
+from .reference import ReferenceEngine
 from .segments import save_segments
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
@@ -337,7 +336,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         precision=precision_of(ckpt, build, quant), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
     kv_quantized = build.kv_cache_dtype != "float32"
-    with atomic_output_dir(out_dir, force=force) as tmp:
+    with atomic_output_dir(out_dir, force=force) as tmp, ReferenceEngine(ckpt_dir, config, tmp.parent) as reference:
         calibrated = None
         float_tensors = (dict(rank_tensors(ckpt_dir, ckpt, 1, 0))
                          if quant.mode in calib.CALIBRATED or kv_quantized else None)
@@ -345,13 +344,13 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
             from engine.quantization.calibrate import calibrate
             calibrated, record = calibrate(ckpt.model, float_tensors, quant,
                                            calibration or CalibrationOptions(), Path(ckpt_dir),
-                                           ckpt.generation.bos_token_id, build.max_seq_len)
+                                           ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
             quant = dataclasses.replace(quant, calibration=record)
             config = dataclasses.replace(config, quantization=quant)
         if kv_quantized:  # K/V absmax on the torch model of the float checkpoint (quantization/kv_cache.py)
             record = kv_cache.calibrate_kv_scales(ckpt.model, float_tensors, build.kv_cache_dtype,
                                                   calibration or kv_cache.KV_CALIBRATION, Path(ckpt_dir),
-                                                  ckpt.generation.bos_token_id, build.max_seq_len)
+                                                  ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
             quant = dataclasses.replace(quant, kv_cache_dtype=build.kv_cache_dtype, kv_cache=record)
             config = dataclasses.replace(config, quantization=quant,
                                          precision={**config.precision, "kv_cache": kv_cache.describe(record)})
@@ -373,27 +372,9 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         # last: the manifest lists every other file (the accuracy report below changes config.json only)
         config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)
         if (quant.mode is not None or kv_quantized) and accuracy.eval_tokens and build.backend == "onnxruntime":
-            report = _accuracy(Path(ckpt_dir), tmp, config, accuracy)
+            report = reference.accuracy_report(tmp, accuracy, ckpt.generation.bos_token_id)
             config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
             save_config(tmp, config)
             check_gate(report, accuracy, quant.mode or f"--kv-cache-dtype {build.kv_cache_dtype}")
     return config
 
-
-def _accuracy(ckpt_dir: Path, engine_dir: Path, config: EngineConfig, opts: AccuracyOptions) -> dict:
-    """Build the unquantized reference next to `engine_dir`, score both on held-out tokens, return the report."""
-    if config.mapping.world_size > 1:
-        if opts.max_ppl_increase is not None:
-            raise EngineError("--max-ppl-increase needs a tp 1 build: tensor-parallel engines cannot be scored here")
-        return {"skipped": "tensor-parallel engines cannot be scored on this machine"}
-    ref_dir = Path(tempfile.mkdtemp(prefix=".reference-", dir=engine_dir.parent))
-    try:
-        build = dataclasses.replace(config.build, kv_cache_dtype="float32")   # float weights and float KV
-        reference = dataclasses.replace(config, build=build, quantization=QuantConfig(),
-                                        memory=memory_plan(config.model, build), precision={})
-        build_rank(RankJob(ckpt_dir, ref_dir, 0, build, config.plugins))
-        save_sealed(ref_dir, reference)
-        held_out = held_out_windows(opts, ref_dir, ckpt_dir, config.generation.bos_token_id)
-        return accuracy_report(ref_dir, engine_dir, held_out)
-    finally:
-        shutil.rmtree(ref_dir, ignore_errors=True)

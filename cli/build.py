@@ -61,7 +61,7 @@ def build_command(
                                               show_default="text sampled from the unquantized model itself (seeded)"),
     calib_size: Optional[int] = typer.Option(None, "--calib-size", help="int8_sq, fp8, int4_awq, int8 KV: "
                                              "calibration sequences. Without --calib-data the model samples "
-                                             "them itself: 512 x 512 tokens take about an hour on two cores; "
+                                             "them itself: 512 x 512 tokens take about 40 minutes on two cores; "
                                              "--calib-size 64 is 8x cheaper.",
                                              show_default="512; 64 for an int8 KV cache alone"),
     calib_max_seq_len: Optional[int] = typer.Option(None, "--calib-max-seq-len", help="int8_sq, fp8, int4_awq, "

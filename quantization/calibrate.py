@@ -30,7 +30,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -46,6 +46,8 @@ INSTALL = "pip install 'engine[quantization]' (it installs nvidia-modelopt[hf])"
 # alpha 1.0 11% RMS error, 0.8 7%, 0.5 2.8%.
 SMOOTHQUANT_ALPHA = 0.5
 SAMPLE_SEED_OFFSET = 7919  # calibration text is drawn with a seed apart from the accuracy report's held-out text
+# (sequences, length, seed, start_token) -> sampled token sequences: builder/reference.ReferenceEngine.sample
+Sampler = Callable[[int, int, int, int], list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -113,13 +115,18 @@ def read_calibration_tokens(path: Path, tokenizer_dir: Path, opts: CalibrationOp
 
 
 def calibration_tokens(model, opts: CalibrationOptions, tokenizer_dir: Path, start_token: int,
-                       max_positions: int) -> tuple[list[list[int]], str]:
+                       max_positions: int, sample: Sampler | None = None) -> tuple[list[list[int]], str]:
+    """The calibration sequences and where they came from: --calib-data, or text sampled (temperature 1, seeded)
+    by `sample` (the build's float reference engine, builder/reference.py) or else by the torch twin `model`."""
     opts_len = min(opts.max_seq_len, max_positions)
     if opts.data is not None:
         return read_calibration_tokens(opts.data, tokenizer_dir, opts), f"file {opts.data}"
-    from .torch_model import sample
     seed = opts.seed + SAMPLE_SEED_OFFSET
-    seqs = sample(model, sequences=opts.size, length=opts_len, seed=seed, start_token=start_token)
+    if sample is not None:
+        seqs = sample(opts.size, opts_len, seed, start_token)
+        return seqs, f"sampled from the float reference engine (seed {seed}, temperature 1)"
+    from .torch_model import sample as sample_torch
+    seqs = sample_torch(model, sequences=opts.size, length=opts_len, seed=seed, start_token=start_token)
     return seqs, f"sampled from the float model (seed {seed}, temperature 1)"
 
 
@@ -174,7 +181,8 @@ def _extract(module, mode: str, group_size: int | None) -> CalibratedWeight:
 
 
 def calibrated_model(model: ModelConfig, tensors: Mapping[str, np.ndarray], quant: QuantConfig,
-                     opts: CalibrationOptions, tokenizer_dir: Path, start_token: int | None, max_positions: int):
+                     opts: CalibrationOptions, tokenizer_dir: Path, start_token: int | None, max_positions: int,
+                     sample: Sampler | None = None):
     """The CanonicalLM of the float tp-1 `tensors` after mtq.quantize (ModelOpt's fake-quant model) and a record of
     the calibration data for config.json. `tensors` is only read."""
     assert quant.mode in CALIBRATED, quant.mode
@@ -184,7 +192,7 @@ def calibrated_model(model: ModelConfig, tensors: Mapping[str, np.ndarray], quan
 
     lm = CanonicalLM(model, tensors, max_positions).eval()
     seqs, source = calibration_tokens(lm, opts, tokenizer_dir, start_token if start_token is not None else 0,
-                                      max_positions)
+                                      max_positions, sample)
     batches = _batches(seqs, opts.batch_size)
 
     def forward_loop(m):
@@ -200,12 +208,14 @@ def calibrated_model(model: ModelConfig, tensors: Mapping[str, np.ndarray], quan
 
 
 def calibrate(model: ModelConfig, tensors: Mapping[str, np.ndarray], quant: QuantConfig, opts: CalibrationOptions,
-              tokenizer_dir: Path, start_token: int | None, max_positions: int) -> tuple[dict, dict]:
-    """Calibrate `quant.mode`; returns (calibrated tensors by canonical name, the calibration record)."""
+              tokenizer_dir: Path, start_token: int | None, max_positions: int,
+              sample: Sampler | None = None) -> tuple[dict, dict]:
+    """Calibrate `quant.mode`; returns (calibrated tensors by canonical name, the calibration record). `sample`
+    draws the calibration text when no file is given (calibration_tokens)."""
     stems = projections(model, quant)
     if not stems:
         return {}, {"skipped": "the layers keep the checkpoint's 4-bit blocks and lm_head is not quantized"}
-    lm, record = calibrated_model(model, tensors, quant, opts, tokenizer_dir, start_token, max_positions)
+    lm, record = calibrated_model(model, tensors, quant, opts, tokenizer_dir, start_token, max_positions, sample)
     modules = dict(lm.named_modules())
     out: dict[str, np.ndarray] = {}
     for stem in stems:

@@ -27,7 +27,7 @@ import numpy as np
 from engine.core.config import ModelConfig
 from engine.core.errors import EngineError
 
-from .calibrate import CalibrationOptions
+from .calibrate import CalibrationOptions, Sampler
 
 KV_CACHE_DTYPES = ("float32", "int8", "fp8")   # the names --kv-cache-dtype knows (TensorRT-LLM's)
 QUANTIZED = ("int8",)                          # built and run
@@ -74,15 +74,16 @@ def kv_absmax(lm, model: ModelConfig, batches: list[list[list[int]]]) -> tuple[n
 
 
 def calibrate_kv_scales(model: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: str, opts: CalibrationOptions,
-                        tokenizer_dir: Path, start_token: int | None, max_positions: int) -> dict:
-    """The config.json record of the KV scales (see the module docstring)."""
+                        tokenizer_dir: Path, start_token: int | None, max_positions: int,
+                        sample: Sampler | None = None) -> dict:
+    """The config.json record of the KV scales (see the module docstring); `sample` as calibrate.calibration_tokens."""
     assert dtype in QUANTIZED, dtype
     from .calibrate import _batches, calibration_tokens
     from .torch_model import CanonicalLM
 
     lm = CanonicalLM(model, tensors, max_positions).eval()
     seqs, source = calibration_tokens(lm, opts, tokenizer_dir, start_token if start_token is not None else 0,
-                                      max_positions)
+                                      max_positions, sample)
     seqs = [s[:max_positions] for s in seqs]
     k_max, v_max = kv_absmax(lm, model, _batches(seqs, opts.batch_size))
     scale = lambda amax: (np.maximum(amax, MIN_AMAX) / INT8_MAX).astype(np.float32).tolist()  # noqa: E731

@@ -13,6 +13,7 @@ import torch
 
 from engine.builder.build import build_engine, rank_tensors
 from engine.builder.onnxruntime_backend import op_counts
+from engine.builder.reference import ReferenceEngine
 from engine.core.artifacts import load_checkpoint_config
 from engine.core.config import QuantConfig
 from engine.core.errors import EngineError
@@ -81,17 +82,19 @@ def test_logits_within_mode_tolerance_of_float32_engine(tiny, key, mode):
 
 
 @pytest.mark.parametrize("mode", ["fp8", "int4_awq"])
-def test_engine_matches_modelopt_fake_quant_model(tiny, mode):
-    """The engine computes what ModelOpt's calibrated fake-quant torch model computes (same calibration, same
-    scales): fp8 Q/DQ rounding and AWQ's int4 weights (MatMulNBits at accuracy level 0: float32 compute)."""
+def test_engine_matches_modelopt_fake_quant_model(tiny, mode, tmp_path):
+    """The engine computes what ModelOpt's calibrated fake-quant torch model computes (same calibration text, drawn
+    by the same float reference engine as in the build; same scales): fp8 Q/DQ rounding and AWQ's int4 weights
+    (MatMulNBits at accuracy level 0: float32 compute)."""
     ckpt, config, tensors = _tensors(tiny, QWEN2)
     quant = modes.resolve(QuantConfig(mode=mode, accuracy_level=0 if mode == "int4_awq" else None), config.model, 1)
-    lm, _ = calibrated_model(config.model, tensors, quant, TINY_CALIBRATION, ckpt, config.generation.bos_token_id,
-                             TEST_BUILD.max_seq_len)
+    engine = calibrated_engine(tiny, QWEN2, mode, accuracy_level=quant.accuracy_level)
+    with ReferenceEngine(ckpt, load_engine_config(engine), tmp_path) as reference:
+        lm, _ = calibrated_model(config.model, tensors, quant, TINY_CALIBRATION, ckpt,
+                                 config.generation.bos_token_id, TEST_BUILD.max_seq_len, reference.sample)
     batch = prompts(2, (7, 19), seed=3)
     with torch.no_grad():
         expected = np.stack([lm(torch.tensor([ids]))[0, -1].numpy() for ids in batch])
-    engine = calibrated_engine(tiny, QWEN2, mode, accuracy_level=quant.accuracy_level)
     float_error = relative_rms(_prefill(tiny.engine(QWEN2), batch), expected)
     error = relative_rms(_prefill(engine, batch), expected)
     assert error <= 2e-3 and error < float_error / 10, (error, float_error)
@@ -129,7 +132,7 @@ def test_stored_tensors_have_the_quantized_dtype_and_size(tiny, mode):
     engine = calibrated_engine(tiny, LLAMA, mode)
     config = load_engine_config(engine)
     assert config.quantization.mode == mode and config.quantization.calibration["sequences"] == 8
-    assert config.quantization.calibration["data"].startswith("sampled from the float model")
+    assert config.quantization.calibration["data"].startswith("sampled from the float reference engine")
     model = onnx.load(str(engine / "rank0.onnx"))
     inits = {t.name: t for t in model.graph.initializer}
     dtype, kernels, per_element = KERNELS[mode]
