@@ -37,7 +37,11 @@ def snap_q4_1(w: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def grid_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("q4_1")
+    return q4_1_checkpoint(tmp_path_factory.mktemp("q4_1"))
+
+
+def q4_1_checkpoint(root):
+    """A tiny Llama checkpoint whose layer weights lie on GGUF Q4_1 blocks, as one converted from a Q4_1 file."""
     hf = make_tiny_model("LlamaForCausalLM", root / "hf")
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)

@@ -9,7 +9,6 @@ import dataclasses
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from engine.builder.build import build_engine, resolve_quant
 from engine.builder.tensorrt_backend import tensorrt_plugins
@@ -18,14 +17,11 @@ from engine.core.artifacts import load_checkpoint_config
 from engine.core.config import QuantConfig
 from engine.core.engine_config import engine_file
 from engine.core.errors import EngineError
-from engine.recipes.convert import ConvertConfig, convert
-from engine.recipes.sources import HFDirSource
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, prompts
 from tests.quantization.calibrated_engines import TINY_CALIBRATION
 from tests.quantization.engines import NO_REPORT
 from tests.quantization.test_engines import _logits
-from tests.quantization.test_source_grid import snap_q4_1
-from tests.tiny_models import make_tiny_model
+from tests.quantization.test_source_grid import q4_1_checkpoint
 from tests.tolerances import assert_logits_close
 
 from .conftest import TRT_FLAVOUR_BUILD
@@ -156,17 +152,7 @@ def test_unknown_mode_is_refused_on_tensorrt():
 
 @pytest.fixture(scope="module")
 def grid_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("q4_1_trt")
-    hf = make_tiny_model("LlamaForCausalLM", root / "hf")
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".layers." in name and p.dim() == 2:
-                p.copy_(snap_q4_1(p))
-    model.save_pretrained(hf)
-    convert(HFDirSource(hf), ConvertConfig(output_dir=root / "ckpt"))
-    return root / "ckpt"
+    return q4_1_checkpoint(tmp_path_factory.mktemp("q4_1_trt"))
 
 
 @pytest.mark.parametrize("mode", ["int4_wo", "int4_awq"])
