@@ -233,7 +233,7 @@ class _Builder:
                         name=f"{pre}/attn/qk_rotary", plugin=p.rotary_plugin)
             q, k = g.node("Split", [qk, g.const([q_size, kv_size])], name=f"{pre}/attn/qk_split/Split",
                           outputs=2, axis=-1)
-        k_scale = v_scale = None
+        ks = vs = k_scale = v_scale = None
         if self.kv_quantized:
             ks, vs = layer_scales(self.q.kv_cache, m, i, self.tp, self.rank)
             k_scale = g.weight(w + "attention.kv_cache.k_scaling_factor", ks)
@@ -248,7 +248,7 @@ class _Builder:
             num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd,
             scale=m.attention_scale if m.attention_scale is not None else hd ** -0.5,
             softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin,
-            k_scale=k_scale, v_scale=v_scale)
+            k_scale=ks, v_scale=vs)
         out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:

@@ -20,8 +20,12 @@ False mask: their weight is exactly 0, but 0 * NaN is NaN, so the pools must hol
 Quantized pools (--kv-cache-dtype int8; scales from quantization/kv_cache.py, float32 [kv_size] per axis):
 
     new K/V [T, kv*hd] ─QuantizeLinear(scale)─▶ int8 ─ScatterND─▶ kcache int8 ─Gather─▶ [B, Lmax, kv*hd] int8
-                                                                      ─DequantizeLinear(scale)─▶ float32 ─▶ attention
-Both lowerings read the same dequantized K/V, so the reference stays equivalent to the plugin.
+                                                                              ─Cast─▶ float32 ─▶ attention
+    q [T, heads*hd] ─Mul(k_scale per query head)─▶ ...      attention out [T, heads*hd] ─Mul(v_scale per query head)
+The scales are folded out of the context instead of dequantizing it: per channel c, q·(s ⊙ k) = (s ⊙ q)·k and
+Σ_j p_j (s ⊙ v_j) = s ⊙ Σ_j p_j v_j, so the context [B, Lmax, kv*hd] is only cast, and the two Muls run over the
+step's T rows. DequantizeLinear per axis over the context made SmolLM2's int8-KV decode 1.9x slower than float KV
+(bench/NOTES.md entry 15). Both lowerings read the same cast K/V and scaled q, so the reference stays equivalent.
 
 Lowerings: `plugin=True` is the standard opset-23 Attention op (GQA by q_num_heads/kv_num_heads, boolean mask,
 scale, softcap); `plugin=False` spells it out: explicit GQA head expansion, MatMul, softcap = c*tanh(s/c),
@@ -53,21 +57,25 @@ def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, sc
 
 def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str, kv_slots: str, mask: str,
                     out_index: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                    softcap: float | None, name: str, plugin: bool, k_scale: str | None = None,
-                    v_scale: str | None = None) -> str:
+                    softcap: float | None, name: str, plugin: bool, k_scale: np.ndarray | None = None,
+                    v_scale: np.ndarray | None = None) -> str:
     """q [T, num_heads*hd] (rotary applied), pools already holding this step's K/V -> [T, num_heads*hd]. With
-    k_scale / v_scale (int8 pools) only the gathered context is dequantized, never the pool."""
+    k_scale / v_scale (int8 pools: float32 [kv*hd]) the gathered int8 context is cast and the scales are folded
+    into q and the output (module docstring)."""
     if num_heads % num_kv_heads:
         raise EngineError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if softcap is not None and softcap <= 0:
         raise EngineError(f"attention softcap {softcap} must be positive (or None for no softcap)")
     op = g.scope(name)
+    group = num_heads // num_kv_heads
+    if k_scale is not None:
+        q = op("Mul", [q, g.const(per_query_head(k_scale, num_kv_heads, group), np.float32)])
     qb = op("Gather", [q, q_index], axis=0)         # [B, Qmax, heads*hd]
     kb = op("Gather", [kcache, kv_slots], axis=0)   # [B, Lmax, kv*hd]
     vb = op("Gather", [vcache, kv_slots], axis=0)
     if k_scale is not None:
-        kb = op("DequantizeLinear", [kb, k_scale], axis=-1)
-        vb = op("DequantizeLinear", [vb, v_scale], axis=-1)
+        kb = op("Cast", [kb], to=TensorProto.FLOAT)
+        vb = op("Cast", [vb], to=TensorProto.FLOAT)
     if plugin:
         attrs = {"softcap": float(softcap)} if softcap else {}
         out = op("Attention", [qb, kb, vb, mask], q_num_heads=num_heads, kv_num_heads=num_kv_heads,
@@ -75,7 +83,17 @@ def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str,
     else:
         out = _reference(g, op, qb, kb, vb, mask, num_heads, num_kv_heads, head_dim, scale, softcap)
     flat = op("Reshape", [out, g.const([-1, num_heads * head_dim])])   # [B*Qmax, heads*hd]
-    return op("Gather", [flat, out_index], axis=0)
+    out = op("Gather", [flat, out_index], axis=0)
+    if v_scale is not None:
+        out = op("Mul", [out, g.const(per_query_head(v_scale, num_kv_heads, group), np.float32)])
+    return out
+
+
+def per_query_head(kv_scale: np.ndarray, num_kv_heads: int, group: int) -> np.ndarray:
+    """A [kv*hd] per-channel scale of the KV heads as [heads*hd] over the query heads: query head h reads KV head
+    h // group (transformers' repeat_kv)."""
+    per_head = np.asarray(kv_scale, np.float32).reshape(num_kv_heads, 1, -1)
+    return np.repeat(per_head, group, axis=1).reshape(-1)
 
 
 def _reference(g: Graph, op: Scope, qb: str, kb: str, vb: str, mask: str, num_heads: int, num_kv_heads: int,

@@ -68,7 +68,7 @@ def test_quantized_write_and_gather_match_numpy(plugin):
         vc = write_kv(g, vcache, slot_mapping, v, name="/v_cache", scale=v_s)
         return paged_attention(g, q, kc, vc, q_index=q_index, kv_slots=kv_slots, mask=attn_mask, out_index=out_index,
                                num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, scale=scale, softcap=None,
-                               name="/attention", plugin=plugin, k_scale=k_s, v_scale=v_s)
+                               name="/attention", plugin=plugin, k_scale=ks, v_scale=vs)
 
     ours = run_op(graph, feeds)
     qdq = lambda x, s: np.clip(np.rint(x / s), -128, 127) * s  # noqa: E731 - QuantizeLinear then DequantizeLinear
