@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE))
 
 import compare_models as models  # noqa: E402
 import compare_report as report  # noqa: E402
+from startup import CHILD_ENV  # noqa: E402
 
 ROOT = HERE.parent
 PROMPT_IDS = HERE / "prompt_ids.json"
@@ -171,10 +172,7 @@ class Runner:
         """Spawn -> "FIRST" line of the child (LLM load + first token), and `engine run` start -> exit; one
         warm-up (file cache warm, as on a machine that has run the engine before), then medians."""
         spec = json.dumps(self.spec(engine_dir=str(engine_dir), text=COLDSTART_TEXT))
-        # Without PYTHONDONTWRITEBYTECODE (this sandbox sets it): the warm-up writes the bytecode, as any machine that
-        # has run the engine before has it; otherwise every start compiles the sources (~45 ms).
-        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
-               "OMP_NUM_THREADS": str(self.args.threads)}
+        env = {**CHILD_ENV, "OMP_NUM_THREADS": str(self.args.threads)}  # startup.py: why no PYTHONDONTWRITEBYTECODE
 
         def first_token() -> float:
             t0 = time.perf_counter()

@@ -88,16 +88,6 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
     check_tp(model, b.tp_size)
 
 
-def resolve_backend(name: str, mode: str | None = None, kv_cache_dtype: str = "float32") -> str:
-    """auto -> tensorrt where `tensorrt` imports and a CUDA GPU is visible (tensorrt_backend.py) and TensorRT can
-    take the --dtype `mode` and the KV cache dtype, else onnxruntime."""
-    backend = trtb.resolve_backend(name)
-    if name == "auto" and backend == "tensorrt" and (mode not in trtq.TENSORRT_QUANT_MODES
-                                                     or kv_cache_dtype != "float32"):
-        return "onnxruntime"
-    return backend
-
-
 def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig | None = None) -> dict:
     """What runs at which precision: the plugins lower float32 only, so float16/bfloat16 requests compute in
     float32 (ORT's CPU provider has no bfloat16 MatMul kernel at all)."""
@@ -311,7 +301,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
     `build_flags` (the CLI's resolved flags) are recorded in config.json."""
     ckpt = load_checkpoint_config(ckpt_dir)
     ckpt_digest = verify_checkpoint(ckpt_dir)  # hashes every file: a damaged checkpoint never becomes an engine
-    build = dataclasses.replace(build, backend=resolve_backend(build.backend, quant.mode if quant else None,
+    build = dataclasses.replace(build, backend=trtb.resolve_backend(build.backend, quant.mode if quant else None,
                                                                build.kv_cache_dtype))
     check_build_config(ckpt.model, build)
     trt = trt or trtb.TensorRTOptions()

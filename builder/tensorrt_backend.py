@@ -69,6 +69,7 @@ from engine.core.errors import EngineError
 from engine.runtime.trt_session import import_tensorrt
 
 from .tensorrt_collectives import AllReduce, insert_all_reduces
+from .tensorrt_quant import TENSORRT_QUANT_MODES
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
 
@@ -206,9 +207,14 @@ def choose_backend(name: str, why_not_tensorrt: str | None) -> str:
     return name
 
 
-def resolve_backend(name: str) -> str:
+def resolve_backend(name: str, mode: str | None = None, kv_cache_dtype: str = "float32") -> str:
+    """--backend after `auto`, which picks tensorrt only where it can build and TensorRT takes the --dtype `mode`
+    (tensorrt_quant.TENSORRT_QUANT_MODES) and a float KV cache; an explicit tensorrt is checked by the build."""
     # Only probe TensorRT when it could be chosen: `import tensorrt` loads its CUDA libraries.
-    return choose_backend(name, tensorrt_unavailable() if name in ("auto", "tensorrt") else None)
+    backend = choose_backend(name, tensorrt_unavailable() if name in ("auto", "tensorrt") else None)
+    if name == "auto" and backend == "tensorrt" and (mode not in TENSORRT_QUANT_MODES or kv_cache_dtype != "float32"):
+        return "onnxruntime"
+    return backend
 
 
 # ---- the TensorRT call (never executed on this project's machines) --------------------------------------------
@@ -271,10 +277,10 @@ def build_rank_engine(raw_onnx: Path, out: Path, build: BuildConfig, opts: Tenso
 
 def device_stamp(build: BuildConfig):
     """What this engine is tied to (config.json's backend_version and backend_device): the installed TensorRT and
-    the current GPU."""
+    the GPU it is built on (the first visible one)."""
     from engine.runtime.trt_session import DeviceStamp, cuda_device
     trt = import_tensorrt()
-    capability, name = cuda_device()
+    _, capability, name = cuda_device()
     return DeviceStamp(tensorrt_version=trt.__version__, compute_capability=capability, device_name=name,
                        max_slots=max_slots(build))
 

@@ -54,10 +54,10 @@ def mark_all_reduces(model: onnx.ModelProto) -> tuple[AllReduce, ...]:
 def insert_all_reduces(trt, network, all_reduces: tuple[AllReduce, ...], num_ranks: int) -> None:
     """Sum each marked partial over the ranks inside the engine: a DistCollective ALL_REDUCE layer on the partial,
     and every layer that read the marker's output (or the partial itself, should the parser have folded the
-    Identity away) reads the collective's output instead."""
+    Identity away) reads the collective's output instead. TensorRT 11+ only: build_engine runs check_tensorrt_tp
+    before anything is built."""
     if not all_reduces:
         return
-    check_tensorrt_tp(trt, num_ranks)
     layers = [network.get_layer(i) for i in range(network.num_layers)]
     made = {layer.get_output(j).name: layer.get_output(j) for layer in layers for j in range(layer.num_outputs)}
     for mark in all_reduces:

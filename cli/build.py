@@ -108,7 +108,8 @@ def build_command(
     no_progress: bool = NO_PROGRESS,
 ):
     """Build an engine: one optimized ONNX graph per rank, config.json with the memory plan, tokenizer files."""
-    from engine.builder.build import build_engine, check_build_config, resolve_backend, resolve_quant
+    from engine.builder.build import build_engine, check_build_config, resolve_quant
+    from engine.builder.tensorrt_backend import resolve_backend
     from engine.builder.memory import memory_plan, plan_rows
     from engine.core.artifacts import load_checkpoint_config
     from engine.core.config import QuantConfig

@@ -103,15 +103,16 @@ def import_tensorrt():
     return tensorrt
 
 
-def cuda_device(index: int | None = None) -> tuple[str, str]:
-    """(compute capability "major.minor", name) of CUDA device `index` (None: the current one); EngineError when
-    none is visible."""
+def cuda_device(rank: int = 0) -> tuple[int, str, str]:
+    """(index, compute capability "major.minor", name) of the GPU of `rank`: rank modulo the visible GPUs;
+    EngineError when none is visible."""
     import torch
     if not torch.cuda.is_available():
         raise EngineError("TensorRT engines run on an NVIDIA GPU and no CUDA device is visible to torch "
                           "(torch.cuda.is_available() is False): run on a GPU machine with a CUDA build of torch")
+    index = rank % torch.cuda.device_count()
     major, minor = torch.cuda.get_device_capability(index)
-    return f"{major}.{minor}", torch.cuda.get_device_name(index)
+    return index, f"{major}.{minor}", torch.cuda.get_device_name(index)
 
 
 class TrtSession:
@@ -124,10 +125,9 @@ class TrtSession:
         self.config: EngineConfig = config or load_runnable_engine(engine_dir, "tensorrt")
         cfg, build = self.config, self.config.build
         trt = import_tensorrt()
-        cuda_device()  # raises when no GPU is visible
-        self._device = torch.device("cuda", rank % torch.cuda.device_count())
+        index, capability, name = cuda_device(rank)
+        self._device = torch.device("cuda", index)
         torch.cuda.set_device(self._device)  # TensorRT and NCCL work on the current device
-        capability, name = cuda_device(self._device.index)
         stamp = stamp_of(cfg, engine_dir)
         check_device(stamp, trt.__version__, capability, name, engine_dir)
         slots = num_blocks * build.tokens_per_block

@@ -136,7 +136,7 @@ def test_auto_picks_onnxruntime_for_what_tensorrt_cannot_build(monkeypatch):
     """Where TensorRT and a GPU are there (simulated: the availability probe says so), `auto` still picks
     onnxruntime for int8_sq and a quantized KV cache; an explicit tensorrt is left to the build's refusal."""
     from engine.builder import tensorrt_backend
-    from engine.builder.build import resolve_backend
+    from engine.builder.tensorrt_backend import resolve_backend
     monkeypatch.setattr(tensorrt_backend, "tensorrt_unavailable", lambda: None)
     assert resolve_backend("auto") == resolve_backend("auto", "fp8") == resolve_backend("auto", "int4_awq") == "tensorrt"
     assert resolve_backend("auto", "int8_sq") == resolve_backend("auto", None, "int8") == "onnxruntime"
