@@ -114,20 +114,15 @@ def read_calibration_tokens(path: Path, tokenizer_dir: Path, opts: CalibrationOp
     return seqs
 
 
-def calibration_tokens(model, opts: CalibrationOptions, tokenizer_dir: Path, start_token: int,
-                       max_positions: int, sample: Sampler | None = None) -> tuple[list[list[int]], str]:
-    """The calibration sequences and where they came from: --calib-data, or text sampled (temperature 1, seeded)
-    by `sample` (the build's float reference engine, builder/reference.py) or else by the torch twin `model`."""
-    opts_len = min(opts.max_seq_len, max_positions)
+def calibration_tokens(opts: CalibrationOptions, tokenizer_dir: Path, start_token: int, max_positions: int,
+                       sample: Sampler) -> tuple[list[list[int]], str]:
+    """The calibration sequences and where they came from: --calib-data, or text `sample` draws (the build's float
+    reference engine, builder/reference.py: temperature 1, seeded)."""
     if opts.data is not None:
         return read_calibration_tokens(opts.data, tokenizer_dir, opts), f"file {opts.data}"
     seed = opts.seed + SAMPLE_SEED_OFFSET
-    if sample is not None:
-        seqs = sample(opts.size, opts_len, seed, start_token)
-        return seqs, f"sampled from the float reference engine (seed {seed}, temperature 1)"
-    from .torch_model import sample as sample_torch
-    seqs = sample_torch(model, sequences=opts.size, length=opts_len, seed=seed, start_token=start_token)
-    return seqs, f"sampled from the float model (seed {seed}, temperature 1)"
+    seqs = sample(opts.size, min(opts.max_seq_len, max_positions), seed, start_token)
+    return seqs, f"sampled from the float reference engine (seed {seed}, temperature 1)"
 
 
 # ---- ModelOpt -------------------------------------------------------------------------------------------------
@@ -182,7 +177,7 @@ def _extract(module, mode: str, group_size: int | None) -> CalibratedWeight:
 
 def calibrated_model(model: ModelConfig, tensors: Mapping[str, np.ndarray], quant: QuantConfig,
                      opts: CalibrationOptions, tokenizer_dir: Path, start_token: int | None, max_positions: int,
-                     sample: Sampler | None = None):
+                     sample: Sampler):
     """The CanonicalLM of the float tp-1 `tensors` after mtq.quantize (ModelOpt's fake-quant model) and a record of
     the calibration data for config.json. `tensors` is only read."""
     assert quant.mode in CALIBRATED, quant.mode
@@ -191,7 +186,7 @@ def calibrated_model(model: ModelConfig, tensors: Mapping[str, np.ndarray], quan
     from .torch_model import CanonicalLM
 
     lm = CanonicalLM(model, tensors, max_positions).eval()
-    seqs, source = calibration_tokens(lm, opts, tokenizer_dir, start_token if start_token is not None else 0,
+    seqs, source = calibration_tokens(opts, tokenizer_dir, start_token if start_token is not None else 0,
                                       max_positions, sample)
     batches = _batches(seqs, opts.batch_size)
 
@@ -208,8 +203,7 @@ def calibrated_model(model: ModelConfig, tensors: Mapping[str, np.ndarray], quan
 
 
 def calibrate(model: ModelConfig, tensors: Mapping[str, np.ndarray], quant: QuantConfig, opts: CalibrationOptions,
-              tokenizer_dir: Path, start_token: int | None, max_positions: int,
-              sample: Sampler | None = None) -> tuple[dict, dict]:
+              tokenizer_dir: Path, start_token: int | None, max_positions: int, sample: Sampler) -> tuple[dict, dict]:
     """Calibrate `quant.mode`; returns (calibrated tensors by canonical name, the calibration record). `sample`
     draws the calibration text when no file is given (calibration_tokens)."""
     stems = projections(model, quant)

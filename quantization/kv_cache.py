@@ -1,6 +1,6 @@
 """Quantized KV cache (`engine build --kv-cache-dtype int8`): which KV dtypes exist, and their calibrated scales.
 
-    calibration tokens (calibrate.calibration_tokens: --calib-data, or text the float model samples itself)
+    calibration tokens (calibrate.calibration_tokens: --calib-data, or text the float reference engine samples)
         ──▶ CanonicalLM (torch_model.py) forward with a cache list: K after rotary (and q/k norms), V, per layer
         ──▶ absmax per layer and KV head over every calibration token          [num_layers, num_kv_heads], K and V
         ──▶ scale = absmax / 127 (symmetric int8, zero point 0)
@@ -74,15 +74,14 @@ def kv_absmax(lm, model: ModelConfig, batches: list[list[list[int]]]) -> tuple[n
 
 
 def calibrate_kv_scales(model: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: str, opts: CalibrationOptions,
-                        tokenizer_dir: Path, start_token: int | None, max_positions: int,
-                        sample: Sampler | None = None) -> dict:
+                        tokenizer_dir: Path, start_token: int | None, max_positions: int, sample: Sampler) -> dict:
     """The config.json record of the KV scales (see the module docstring); `sample` as calibrate.calibration_tokens."""
     assert dtype in QUANTIZED, dtype
     from .calibrate import _batches, calibration_tokens
     from .torch_model import CanonicalLM
 
     lm = CanonicalLM(model, tensors, max_positions).eval()
-    seqs, source = calibration_tokens(lm, opts, tokenizer_dir, start_token if start_token is not None else 0,
+    seqs, source = calibration_tokens(opts, tokenizer_dir, start_token if start_token is not None else 0,
                                       max_positions, sample)
     seqs = [s[:max_positions] for s in seqs]
     k_max, v_max = kv_absmax(lm, model, _batches(seqs, opts.batch_size))

@@ -10,9 +10,9 @@ registered family without knowing a Hugging Face name, and its module names are 
 
 The forward is the builder's graph (builder/model_graph.py) in torch over whole sequences of one batch (no paging):
 RMSNorm with the family's weight offset, rotary from plugins/rotary.py's tables, causal attention with GQA, sliding
-window and logit softcap, the gated MLP, sandwich norms. `sample` draws calibration text from the model itself with a
-KV cache (all sequences start at one token and have one length, so the cache is one preallocated buffer per layer,
-written in place: concatenating it anew at each step cost 11% of a calibrated build's sampling).
+window and logit softcap, the gated MLP, sandwich norms. KVCache (one preallocated buffer per layer, written in
+place) lets a forward continue a batch of equal-length sequences; quantization/kv_cache.py reads K/V through it.
+The calibration text is sampled by the float reference engine (builder/reference.py), not here.
 Tests check it against transformers. Knows nothing of ONNX or ModelOpt.
 """
 from __future__ import annotations
@@ -169,22 +169,3 @@ class KVCache:
         self.k[layer][:, start:end], self.v[layer][:, start:end] = k, v
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
-
-@torch.no_grad()
-def sample(model: CanonicalLM, *, sequences: int, length: int, seed: int, start_token: int,
-           batch_size: int = 32) -> list[list[int]]:
-    """`sequences` token sequences of `length`, each starting at `start_token`, sampled at temperature 1 with a
-    seeded generator (reproducible on one machine and torch version)."""
-    gen = torch.Generator().manual_seed(seed)
-    out: list[list[int]] = []
-    for first in range(0, sequences, batch_size):
-        n = min(batch_size, sequences - first)
-        ids = torch.full((n, 1), start_token, dtype=torch.long)
-        cache = KVCache(model.m, n, length)
-        step = ids
-        for pos in range(length - 1):
-            logits = model(step, start=pos, cache=cache)[:, -1]
-            step = torch.multinomial(logits.softmax(-1), 1, generator=gen)
-            ids = torch.cat([ids, step], dim=1)
-        out.extend(ids.tolist())
-    return out
