@@ -103,7 +103,8 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
         head = (f"int{bits}" + (" with AWQ" if quant.mode == "int4_awq" else "")) if quant.quantize_lm_head \
             else "float32"
         tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
-        how = ("kept as the checkpoint's 4-bit blocks (GGUF Q4_1), float32 scales and offsets" if quant.source_grid
+        how = ("kept as the checkpoint's 4-bit blocks (GGUF Q4_1), float16 scales, float32 offsets"
+               if quant.source_grid
                else "RTN, float32 scales") + ("; exact, so AWQ's search is not run on them"
                                               if quant.mode == "int4_awq" else "")
         precision.update({
@@ -265,7 +266,8 @@ def build_rank(job: RankJob) -> int:
     graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size, job.quant, job.rank)
     del tensors
     if job.build.tp_size > 1 and job.build.backend == "onnxruntime":
-        save_segments(graph, job.out_dir, job.rank, num_layers=ckpt.model.num_layers, opt_level=job.build.opt_level)
+        save_segments(graph, job.out_dir, job.rank, num_layers=ckpt.model.num_layers, opt_level=job.build.opt_level,
+                      fold_at_load=job.quant.source_grid)
         return job.rank
     # Move the initializers into the proto one at a time (protobuf copies on append), so the weights are never
     # held twice; saving then moves each one's bytes to the external file and clears it.
@@ -287,7 +289,7 @@ def build_rank(job: RankJob) -> int:
     raw = job.out_dir / f"rank{job.rank}.raw.onnx"
     ortb.save_raw(proto, raw)
     del proto
-    ortb.optimize(raw, out, opt_level=job.build.opt_level)
+    ortb.optimize(raw, out, opt_level=job.build.opt_level, fold_at_load=job.quant.source_grid)
     return job.rank
 
 

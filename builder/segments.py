@@ -121,7 +121,8 @@ def split_at_all_reduce(graph: Graph) -> list[Segment]:
     return segments
 
 
-def save_segments(graph: Graph, out_dir: Path, rank: int, *, num_layers: int, opt_level: str) -> None:
+def save_segments(graph: Graph, out_dir: Path, rank: int, *, num_layers: int, opt_level: str,
+                  fold_at_load: bool = False) -> None:
     """Cut `graph` (consumed) and write each segment optimized by ORT, like a tp=1 engine: rank{r}.seg{k}.onnx."""
     segments = split_at_all_reduce(graph)
     assert len(segments) == num_segments(num_layers), (len(segments), num_layers)
@@ -132,4 +133,4 @@ def save_segments(graph: Graph, out_dir: Path, rank: int, *, num_layers: int, op
         del seg
         ortb.save_raw(proto, raw)
         del proto
-        ortb.optimize(raw, out_dir / segment_file(rank, k), opt_level=opt_level)
+        ortb.optimize(raw, out_dir / segment_file(rank, k), opt_level=opt_level, fold_at_load=fold_at_load)

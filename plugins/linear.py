@@ -18,6 +18,9 @@ added by both lowerings as a second product over the block sums of x:
 
     x ─Reshape [T, K/g, g]─▶ ReduceSum(-1) ─▶ [T, K/g] ─MatMul(offsets^T [K/g, N])─▶ Add to y
 
+and MatMulNBits reads their float16 scales through a Cast, which ORT folds into a float32 initializer when the
+session loads (the engine stores 2 bytes a block, not 4).
+
 ORT's level-2 optimizer fuses that DequantizeLinear + MatMul back into MatMulNBits (at its session default
 accuracy level 4), so the reference stays a reference only in a graph run unoptimized (tests do that).
 
@@ -26,8 +29,9 @@ a quantized lm_head share one initializer.
 """
 from __future__ import annotations
 
-import numpy as np
 import ml_dtypes
+import numpy as np
+from onnx import TensorProto
 
 from engine.builder.graph import MS_DOMAIN, Graph
 from engine.core.errors import EngineError
@@ -79,7 +83,9 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
     if plugin:
         if not shared:
             g.weight(weight_name, q.packed)
-            g.weight(scales, q.scales)
+            g.weight(scales, q.scales.astype(np.float16) if q.half_scales else q.scales)
+        if q.half_scales:  # widened when the session loads (ORT folds the Cast; builder/onnxruntime_backend.py)
+            scales = op("Cast", [scales], to=TensorProto.FLOAT)
         y = op("MatMulNBits", [x, weight_name, scales], domain=MS_DOMAIN, K=k, N=n, bits=q.bits,
                block_size=q.group_size, accuracy_level=accuracy_level)
     else:

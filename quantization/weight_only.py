@@ -17,10 +17,14 @@ bytes are exactly what ORT's MatMulNBits and GatherBlockQuantized kernels read:
 `dequantize` is the NumPy reference every lowering is tested against. Knows nothing of ONNX graphs.
 
 Weights already on a 4-bit grid (`block_grid`): a checkpoint converted from a GGUF Q4_1 file holds, in every block
-of 32 input features, at most 16 values d * q + m (q in 0..15, d and m floats per block). RTN onto any grid with an
-integer zero point moves them (~8% RMS weight error on SmolLM2, +44-58% perplexity); `block_grid` keeps them exactly:
+of 32 input features, at most 16 values d * q + m (q in 0..15, d and m float16 per block). RTN onto any grid with
+an integer zero point moves them (~8% RMS weight error on SmolLM2, +44-58% perplexity); `block_grid` keeps them
+exactly:
 
     q, scale = d, offset = m + 8 d      so that   w = (q - 8) * scale + offset   (same packing, implied zp 8)
+
+The scales d are stored as the float16 values they are (half_scales); the offsets m + 8 d are no float16 values and
+stay float32. That is 16 + 2 + 4 bytes per block of 32 (0.69 byte a weight against float32's 4).
 
 MatMulNBits takes no float offset at speed (its float zero points run a dequantizing fallback, measured 30x slower
 at one token), so the lowering adds the offsets as a second, small product (plugins/linear.py):
@@ -56,6 +60,11 @@ class QuantizedWeight:
     bits: int
     group_size: int
     offsets: np.ndarray | None = None   # float32 [N, K / group_size], added per block (block_grid), or none
+
+    @property
+    def half_scales(self) -> bool:
+        """Whether the scales are float16 values, stored as such: a kept GGUF block grid's (block_grid)."""
+        return self.offsets is not None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -109,23 +118,27 @@ def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weigh
 
 def block_grid(weight: np.ndarray, group_size: int) -> QuantizedWeight | None:
     """`weight` [N, K] as 4-bit blocks of `group_size` with a float offset each (module docstring), when every
-    block holds only values d * q + m (q 0..15, m its minimum); None when a block does not."""
+    block holds only values d * q + m (q 0..15, m its minimum, d a float16 as GGUF stores it); None otherwise."""
     w = np.asarray(weight, dtype=np.float32)
     n, k = w.shape
     if k % group_size:
         return None
     blocks = w.reshape(n, k // group_size, group_size).astype(np.float64)
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
-    step = (high - low) / 15
+    with np.errstate(over="ignore"):
+        step = ((high - low) / 15).astype(np.float16).astype(np.float64)
+    if not np.isfinite(step).all():
+        return None
     safe = np.where(step > 0, step, 1.0)
     q = np.rint((blocks - low[..., None]) / safe[..., None])
-    # on the grid up to the float32 rounding of the checkpoint's values
-    if np.abs(q * step[..., None] + low[..., None] - blocks).max(initial=0.0) > 1e-3 * max(step.max(initial=0), 1e-30):
+    # on the grid up to the float32 rounding of the checkpoint's values (a d that is no float16 is off by ~1e-3 d)
+    error = np.abs(q * step[..., None] + low[..., None] - blocks).max(initial=0.0)
+    if q.max(initial=0) > 15 or error > 1e-3 * max(step.max(initial=0), 1e-30):
         return None
     q = q.astype(np.uint8).reshape(n, k // group_size, group_size)
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
     scales = step.astype(np.float32)
-    offsets = (low + 8 * scales.astype(np.float64)).astype(np.float32)
+    offsets = (low + 8 * step).astype(np.float32)
     return QuantizedWeight(packed, scales, 4, group_size, offsets)
 
 
@@ -162,6 +175,7 @@ def rtn_scales(weight: np.ndarray, bits: int, group_size: int) -> np.ndarray:
 
 
 def stored_bytes(out_features: int, in_features: int, bits: int, group_size: int, offsets: bool = False) -> int:
-    """Bytes of one quantized weight as stored: packed integers plus float32 scales (and float32 offsets)."""
-    per_block = 8 if offsets else 4
+    """Bytes of one quantized weight as stored: packed integers plus float32 scales, or for a kept block grid
+    (`offsets`) float16 scales and float32 offsets."""
+    per_block = 2 + 4 if offsets else 4
     return out_features * in_features * bits // 8 + out_features * (in_features // group_size) * per_block

@@ -28,7 +28,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
 from .engine_dir import load_engine_config, verifying_files
-from .session import kv_pool_dtype, load_ort_session
+from .session import engine_session_options, kv_pool_dtype, load_ort_session
 from .step_inputs import SeqChunk, make_step_inputs
 
 
@@ -56,8 +56,6 @@ def split_windows(ids: Sequence[int], window: int) -> list[list[int]]:
 
 class ScoringSession:
     def __init__(self, engine_dir: Path, window: int, *, threads: int | None = None):
-        import onnxruntime as ort
-
         engine_dir = Path(engine_dir)
         self.config = config = load_engine_config(engine_dir)
         if config.build.backend != "onnxruntime" or config.mapping.world_size != 1:
@@ -74,13 +72,8 @@ class ScoringSession:
         kv = kv_heads_per_rank(model, 1) * model.head_dim
         pool = np.zeros((self._blocks * self._tpb, kv), dtype=kv_pool_dtype(config.build.kv_cache_dtype))
         self._pools = {name(i): pool for i in range(model.num_layers) for name in (kcache_name, vcache_name)}
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized at build
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
         with verifying_files(engine_dir, config):  # hashes every file while ORT loads the graph
-            self._session = load_ort_session(engine_dir / engine_file(0), so)
+            self._session = load_ort_session(engine_dir / engine_file(0), engine_session_options(config, threads))
         self._inputs = {i.name for i in self._session.get_inputs()}
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:

@@ -41,16 +41,8 @@ class EngineSession:
         model = cfg.model
         self._sliding = model.sliding_window if "sliding" in model.layer_types else None
 
-        so = ort.SessionOptions()
-        # The graph was optimized once at build (builder/onnxruntime_backend.py); do not pay for it again.
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
-            so.inter_op_num_threads = 1
         with verifying_files(engine_dir, self.config):  # hashes every file while ORT loads the graph
-            self._session = load_ort_session(engine_dir / engine_file(0), so)
+            self._session = load_ort_session(engine_dir / engine_file(0), engine_session_options(cfg, threads))
         self._input_names = {i.name for i in self._session.get_inputs()}
 
         kv_size = kv_heads_per_rank(model, 1) * model.head_dim
@@ -101,6 +93,23 @@ def allocate_kv_pool(num_layers: int, slots: int, kv_size: int, dtype: type = np
                                        (v, vcache_name(i), vcache_out_name(i))):
             values[name_in] = (name_out, ort.OrtValue.ortvalue_from_numpy(arr))
     return pool, values
+
+def engine_session_options(config: EngineConfig, threads: int | None) -> ort.SessionOptions:
+    """How an engine's ORT sessions load. Its graph was optimized once at build (builder/onnxruntime_backend.py), so
+    optimizations are off, except where the engine stores weights narrower than it runs them (the float16 scales
+    of kept 4-bit blocks, QuantConfig.source_grid): the basic level folds their Casts into float32 weights. That is
+    needed, not only faster: measured on ORT 1.32, MatMulNBits with scales computed at run time (an unfolded Cast)
+    returns wrong results."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if config.quantization.source_grid
+                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    return so
+
 
 def load_ort_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of the graph `path`; a truncated or corrupt graph or external-data file (ORT

@@ -28,7 +28,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
 from ..engine_dir import REBUILD
-from ..session import allocate_kv_pool, kv_pool_dtype, load_ort_session
+from ..session import allocate_kv_pool, engine_session_options, kv_pool_dtype, load_ort_session
 
 
 class _Segment:
@@ -50,13 +50,7 @@ class RankShard:
         model, build = config.model, config.build
         tp = config.mapping.tp_size
         self.config, self.rank = config, rank
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized at build
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
-            so.inter_op_num_threads = 1
+        so = engine_session_options(config, threads)
         # 2L + 1 sessions run one after the other: a pool spinning after its run would steal the next one's cores.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.segments = [_Segment(engine_dir / segment_file(rank, k), so)

@@ -10,9 +10,8 @@ says " Paris").
 Perplexity targets: on text the model samples itself, int8_wo measured +0.7%, int4_wo +0.41%. This checkpoint's
 layers are already Q4_1 blocks (the offline GGUF): int4_wo keeps them exactly (quantization/weight_only.block_grid;
 what is left is accuracy_level 4's int8 activations), where RTN onto a second, symmetric 4-bit grid measured +58%.
-Size: the kept blocks carry a float32 offset per 32 weights beside the scale (6 bits per weight; Q4_1 itself has 5),
-so the int4 engine with lm_head int4 is 0.188x the float32 one: over the issue's 0.18x, which int4_awq (group 64,
-no offsets, tests/quantization/test_real_calibrated.py) meets.
+Size: the kept blocks carry a float32 offset per 32 weights beside their float16 scale (5.5 bits per weight; Q4_1
+itself has 5), so the int4 engine with lm_head int4 is 0.179x the float32 one (the issue asks 0.18x).
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ BUILD = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024, max_n
 # perplexity increase on text the model samples itself (the build's default held-out text), percent
 TARGET = {"int8_wo": 1.0, "int4_wo": 1.0}
 # engine weights relative to the float32 engine's, with lm_head and its tied embedding quantized
-SIZE = {"int8_wo": 0.30, "int4_wo": 0.19}
+SIZE = {"int8_wo": 0.30, "int4_wo": 0.18}
 
 
 @pytest.fixture(scope="module")

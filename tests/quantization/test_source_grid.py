@@ -4,6 +4,7 @@ computes what the float engine does; any other checkpoint is quantized by RTN / 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -27,12 +28,12 @@ from .test_engines import _logits
 
 
 def snap_q4_1(w: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_1 of a [out, in] weight, dequantized: per block of 32 inputs, d = (max - min) / 15, m = min,
-    w = d * round((w - m) / d) + m."""
+    """GGUF Q4_1 of a [out, in] weight, dequantized: per block of 32 inputs, d = (max - min) / 15 and m = min, both
+    float16 as GGUF stores them, w = d * round((w - m) / d) + m."""
     blocks = w.reshape(w.shape[0], -1, 32)
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    d = (high - low) / 15
-    return (torch.round((blocks - low) / d) * d + low).reshape(w.shape)
+    d, m = ((high - low) / 15).half().float(), low.half().float()
+    return (torch.clamp(torch.round((blocks - m) / d), 0, 15) * d + m).reshape(w.shape)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,13 @@ def test_block_grid_is_exact_and_refuses_other_weights():
     q = block_grid(w, 32)
     assert q is not None and q.offsets is not None and q.packed.shape == (48, 3, 16)
     np.testing.assert_allclose(dequantize(q), w, rtol=0, atol=1e-7)
+    assert q.half_scales and np.array_equal(q.scales.astype(np.float16).astype(np.float32), q.scales)
     assert block_grid(np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32), 32) is None
+    # a grid whose steps are no float16 values is no GGUF file's: its scales could not be stored in 2 bytes
+    blocks = torch.randn(48, 3, 32) * 0.02
+    low = blocks.amin(-1, keepdim=True)
+    d = (blocks.amax(-1, keepdim=True) - low) / 15
+    assert block_grid((torch.round((blocks - low) / d) * d + low).reshape(48, 96).numpy(), 32) is None
     with pytest.raises(Exception, match="not on the 4-bit grid"):
         quantize(np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32),
                  WeightOnlyScheme(4, 32, 4, keep_grid=True))
@@ -77,6 +84,9 @@ def test_int4_engine_of_a_q4_1_checkpoint_equals_the_float_engine(grid_checkpoin
     config = load_engine_config(int4_dir)
     assert config.quantization.source_grid and config.quantization.group_size == 32
     assert "GGUF Q4_1" in config.precision["weights"]
+    if plugins:  # the blocks' scales are stored as the float16 values they are, widened when the engine loads
+        scales = {t.name: t.data_type for t in onnx_initializers(int4_dir)}["layers.0.mlp.down.weights_scaling_factor"]
+        assert scales == onnx.TensorProto.FLOAT16
     if mode == "int4_awq":  # nothing left to calibrate: ModelOpt does not run
         assert "skipped" in config.quantization.calibration
     batch = prompts(2, (7, 19), seed=3)
@@ -126,5 +136,4 @@ def test_int4_awq_with_another_group_size_runs_awq(grid_checkpoint, tmp_path):
 
 
 def onnx_initializers(engine):
-    import onnx
     return onnx.load(str(engine / "rank0.onnx"), load_external_data=False).graph.initializer
