@@ -94,6 +94,7 @@ def allocate_kv_pool(num_layers: int, slots: int, kv_size: int, dtype: type = np
             values[name_in] = (name_out, ort.OrtValue.ortvalue_from_numpy(arr))
     return pool, values
 
+
 def engine_session_options(config: EngineConfig, threads: int | None) -> ort.SessionOptions:
     """How an engine's ORT sessions load. Its graph was optimized once at build (builder/onnxruntime_backend.py), so
     optimizations are off, except where the engine stores weights narrower than it runs them (the float16 scales
