@@ -36,7 +36,8 @@ keep the checkpoint's 4-bit blocks, source_grid, are lowered as int4_wo's; only 
 quantize_lm_head a tied embedding reads the quantized lm_head's table (calibrated_gather), stored once; not under
 fp8 (ONNX Gather takes no float8 tensor), where the float32 embedding stays next to the fp8 lm_head.
 
-Quantized KV cache (BuildConfig.kv_cache_dtype int8): the pools kcache.{i} / vcache.{i} are int8, and each layer holds
+Quantized KV cache (BuildConfig.kv_cache_dtype int8 / fp8): the pools kcache.{i} / vcache.{i} are int8 (fp8: e4m3
+codes in uint8, plugins/e4m3.py), and each layer holds
 its K and V scales (layers.{i}.attention.kv_cache.{k,v}_scaling_factor, this rank's KV heads) for write_kv and
 paged_attention (plugins/attention.py), whatever the weights' mode.
 """
@@ -72,10 +73,12 @@ class _Builder:
     def __init__(self, model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
                  tp: int, quant: QuantConfig, rank: int = 0):
         self.m, self.t, self.b, self.p, self.tp, self.q, self.rank = model, tensors, build, plugins, tp, quant, rank
-        # the pools' element type: float32, or int8 with the calibrated scales of quant.kv_cache (kv_cache.py)
+        # the pools' element type: float32, or int8 / fp8 (e4m3 codes in uint8) with the calibrated scales of
+        # quant.kv_cache (kv_cache.py)
+        self.kv_dtype = build.kv_cache_dtype
         self.kv_quantized = build.kv_cache_dtype != "float32"
-        assert not self.kv_quantized or quant.kv_cache, "an int8 KV cache needs its calibrated scales"
-        self.kv_type = TensorProto.INT8 if self.kv_quantized else TensorProto.FLOAT
+        assert not self.kv_quantized or quant.kv_cache, "a quantized KV cache needs its calibrated scales"
+        self.kv_type = {"float32": TensorProto.FLOAT, "int8": TensorProto.INT8, "fp8": TensorProto.UINT8}[self.kv_dtype]
         # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales; int4_awq
         # layers that keep the checkpoint's 4-bit blocks (source_grid) are not calibrated, only its lm_head is
         self.calibrated = quant.mode in CALIBRATED
@@ -239,16 +242,18 @@ class _Builder:
             k_scale = g.weight(w + "attention.kv_cache.k_scaling_factor", ks)
             v_scale = g.weight(w + "attention.kv_cache.v_scaling_factor", vs)
         kc = self.cache_output(write_kv(g, ec.kcache_name(i), ec.SLOT_MAPPING, k, name=f"{pre}/attn/k_cache",
-                                        scale=k_scale), ec.kcache_out_name(i), kv_size)
+                                        scale=k_scale, kv_dtype=self.kv_dtype, channels=kv_size),
+                               ec.kcache_out_name(i), kv_size)
         vc = self.cache_output(write_kv(g, ec.vcache_name(i), ec.SLOT_MAPPING, v, name=f"{pre}/attn/v_cache",
-                                        scale=v_scale), ec.vcache_out_name(i), kv_size)
+                                        scale=v_scale, kv_dtype=self.kv_dtype, channels=kv_size),
+                               ec.vcache_out_name(i), kv_size)
         attn = paged_attention(
             g, q, kc, vc, q_index=ec.Q_INDEX, kv_slots=ec.KV_SLOTS,
             mask=ec.ATTN_MASK_SLIDING if kind == "sliding" else ec.ATTN_MASK, out_index=ec.OUT_INDEX,
             num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd,
             scale=m.attention_scale if m.attention_scale is not None else hd ** -0.5,
             softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin,
-            k_scale=ks, v_scale=vs)
+            k_scale=ks, v_scale=vs, kv_dtype=self.kv_dtype)
         out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:

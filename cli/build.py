@@ -40,9 +40,10 @@ def build_command(
                                        "sequences together (tokens); longer prompts are prefilled in chunks."),
     tokens_per_block: int = typer.Option(32, "--tokens-per-block", help="Tokens per KV-cache block (tokens, a "
                                          "power of two)."),
-    kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32, or int8 (1 byte "
-                                       "per element, 4x the tokens in the same memory; per-KV-head scales calibrated "
-                                       "at build from --calib-data or sampled text). fp8 cannot run on onnxruntime."),
+    kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32, int8 or fp8 (1 "
+                                       "byte per element, 4x the tokens in the same memory; per-KV-head scales "
+                                       "calibrated at build from --calib-data or sampled text; fp8 is e4m3, emulated "
+                                       "on the CPU: int8 is more precise and faster there)."),
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32; float16/bfloat16 are accepted and "
                               "computed in float32 on ONNX Runtime CPU (see `engine inspect`). Quantized modes "
                               "(TensorRT-LLM names): int8_wo, int4_wo (weight-only RTN, quantized at build); "
@@ -56,17 +57,17 @@ def build_command(
     quant_accuracy_level: Optional[int] = typer.Option(None, "--quant-accuracy-level", help="MatMulNBits "
                                                        "accuracy_level: 0 float32 compute (true weight-only), 4 int8 "
                                                        "activations per block (fast).", show_default="4"),
-    calib_data: Optional[Path] = typer.Option(None, "--calib-data", help="int8_sq, fp8, int4_awq, int8 KV cache: "
+    calib_data: Optional[Path] = typer.Option(None, "--calib-data", help="int8_sq, fp8, int4_awq, int8/fp8 KV cache: "
                                               "calibration text (.txt, or .jsonl with a \"text\" field per line).",
                                               show_default="text sampled from the unquantized model itself (seeded)"),
-    calib_size: Optional[int] = typer.Option(None, "--calib-size", help="int8_sq, fp8, int4_awq, int8 KV: "
+    calib_size: Optional[int] = typer.Option(None, "--calib-size", help="int8_sq, fp8, int4_awq, quantized KV: "
                                              "calibration sequences. Without --calib-data the model samples "
                                              "them itself: 512 x 512 tokens take about 40 minutes on two cores; "
                                              "--calib-size 64 is 8x cheaper.",
-                                             show_default="512; 64 for an int8 KV cache alone"),
+                                             show_default="512; 64 for a KV cache alone"),
     calib_max_seq_len: Optional[int] = typer.Option(None, "--calib-max-seq-len", help="int8_sq, fp8, int4_awq, "
-                                                    "int8 KV: tokens per calibration sequence.",
-                                                    show_default="512; 256 for an int8 KV cache alone"),
+                                                    "quantized KV: tokens per calibration sequence.",
+                                                    show_default="512; 256 for a KV cache alone"),
     eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Quantized builds: held-out text file for "
                                              "the accuracy report.", show_default="text sampled from the unquantized "
                                              "model itself (seeded)"),
@@ -139,7 +140,7 @@ def build_command(
     given = [flag for flag, value in calib_flags.items() if value is not None]
     if given and mode not in modes.CALIBRATED and not kv_quantized:
         raise EngineError(f"{', '.join(given)} apply to calibrated builds (--dtype {', '.join(modes.CALIBRATED)}, "
-                          f"or --kv-cache-dtype int8); --dtype {dtype} is not one: leave them out", usage=True)
+                          f"or --kv-cache-dtype int8|fp8); --dtype {dtype} is not one: leave them out", usage=True)
     if calib_data is not None and not calib_data.is_file():
         raise EngineError(f"--calib-data {calib_data} is not a file; pass a UTF-8 .txt or .jsonl file", usage=True)
     # a KV cache alone needs only absmax statistics: fewer sampled tokens than ModelOpt's weight calibration

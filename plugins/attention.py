@@ -17,10 +17,12 @@ independent, so whatever such a row holds cannot reach a real token. Padded cont
 False mask: their weight is exactly 0, but 0 * NaN is NaN, so the pools must hold finite values in every slot
 (the runtime allocates them with zeros, not np.empty).
 
-Quantized pools (--kv-cache-dtype int8; scales from quantization/kv_cache.py, float32 [kv_size] per axis):
+Quantized pools (--kv-cache-dtype int8|fp8; scales from quantization/kv_cache.py, float32 [kv_size] per axis):
 
     new K/V [T, kv*hd] ─QuantizeLinear(scale)─▶ int8 ─ScatterND─▶ kcache int8 ─Gather─▶ [B, Lmax, kv*hd] int8
                                                                               ─Cast─▶ float32 ─▶ attention
+    fp8: the pools hold e4m3 codes as uint8 (plugins/e4m3.py: ORT has no float8 ScatterND/Gather): encode before
+    the ScatterND, a 256-entry value table after the Gather, the rest as int8
     q [T, heads*hd] ─Mul(k_scale per query head)─▶ ...      attention out [T, heads*hd] ─Mul(v_scale per query head)
 The scales are folded out of the context instead of dequantizing it: per channel c, q·(s ⊙ k) = (s ⊙ q)·k and
 Σ_j p_j (s ⊙ v_j) = s ⊙ Σ_j p_j v_j, so the context [B, Lmax, kv*hd] is only cast, and the two Muls run over the
@@ -39,29 +41,35 @@ from onnx import TensorProto
 from engine.builder.graph import Graph, Scope
 from engine.core.errors import EngineError
 
+from . import e4m3
+
 # Masked scores are replaced (not offset) by this: finite, so an all-masked padded row softmaxes to a uniform
 # average instead of NaN, and far below any real score, so exp() of it is exactly 0 beside a visible key.
 MASKED_SCORE = -1e30
 
 
-def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, scale: str | None = None) -> str:
+def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, scale: str | None = None,
+             kv_dtype: str = "float32", channels: int = 0) -> str:
     """ScatterND rows new [T, kv_size] into cache [num_slots, kv_size] at slot_mapping [T]; returns the updated
-    cache. The runtime binds the result to the buffer of `cache`, so ORT writes in place (DESIGN.md). With `scale`
-    (float32 [kv_size], an int8 pool) the rows are first quantized: round(new / scale) saturated to int8."""
+    cache. The runtime binds the result to the buffer of `cache`, so ORT writes in place (DESIGN.md). A quantized
+    pool (`scale` float32 [kv_size] = `channels`) first quantizes the rows: int8 round(new / scale) saturated, fp8
+    the e4m3 codes of new / scale (plugins/e4m3.py)."""
     op = g.scope(name)
     index = op("Unsqueeze", [slot_mapping, g.const([1])])   # [T, 1]: one index tuple per row
-    if scale is not None:
+    if kv_dtype == "int8":
         new = op("QuantizeLinear", [new, scale], axis=-1, output_dtype=TensorProto.INT8)
+    elif kv_dtype == "fp8":
+        new = e4m3.encode(g, op, new, scale, channels)
     return op("ScatterND", [cache, index, new])
 
 
 def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str, kv_slots: str, mask: str,
                     out_index: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                     softcap: float | None, name: str, plugin: bool, k_scale: np.ndarray | None = None,
-                    v_scale: np.ndarray | None = None) -> str:
+                    v_scale: np.ndarray | None = None, kv_dtype: str = "float32") -> str:
     """q [T, num_heads*hd] (rotary applied), pools already holding this step's K/V -> [T, num_heads*hd]. With
-    k_scale / v_scale (int8 pools: float32 [kv*hd]) the gathered int8 context is cast and the scales are folded
-    into q and the output (module docstring)."""
+    k_scale / v_scale (int8 and fp8 pools: float32 [kv*hd]) the gathered context is converted to float32 unscaled
+    (int8: cast; fp8: its e4m3 values) and the scales are folded into q and the output (module docstring)."""
     if num_heads % num_kv_heads:
         raise EngineError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if softcap is not None and softcap <= 0:
@@ -73,9 +81,11 @@ def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str,
     qb = op("Gather", [q, q_index], axis=0)         # [B, Qmax, heads*hd]
     kb = op("Gather", [kcache, kv_slots], axis=0)   # [B, Lmax, kv*hd]
     vb = op("Gather", [vcache, kv_slots], axis=0)
-    if k_scale is not None:
+    if kv_dtype == "int8":
         kb = op("Cast", [kb], to=TensorProto.FLOAT)
         vb = op("Cast", [vb], to=TensorProto.FLOAT)
+    elif kv_dtype == "fp8":
+        kb, vb = e4m3.decode(g, op, kb), e4m3.decode(g, op, vb)
     if plugin:
         attrs = {"softcap": float(softcap)} if softcap else {}
         out = op("Attention", [qb, kb, vb, mask], q_num_heads=num_heads, kv_num_heads=num_kv_heads,

@@ -1,9 +1,9 @@
-"""Quantized KV cache (`engine build --kv-cache-dtype int8`): which KV dtypes exist, and their calibrated scales.
+"""Quantized KV cache (`engine build --kv-cache-dtype int8|fp8`): which KV dtypes exist, and their calibrated scales.
 
     calibration tokens (calibrate.calibration_tokens: --calib-data, or text the float reference engine samples)
         ──▶ CanonicalLM (torch_model.py) forward with a cache list: K after rotary (and q/k norms), V, per layer
         ──▶ absmax per layer and KV head over every calibration token          [num_layers, num_kv_heads], K and V
-        ──▶ scale = absmax / 127 (symmetric int8, zero point 0)
+        ──▶ scale = absmax / 127 (int8, symmetric, zero point 0) or absmax / 448 (fp8: e4m3's largest value)
     config.json quantization.kv_cache: {dtype, granularity, method, data, k_scale, v_scale}   (the record)
     graph: layers.{i}.attention.kv_cache.{k,v}_scaling_factor, float32 [kv_heads_per_rank * head_dim], the rank's
         heads each repeated over head_dim, so QuantizeLinear / DequantizeLinear take them per axis (plugins/attention.py)
@@ -13,9 +13,9 @@ attention modules of Hugging Face classes it recognizes (and patches their forwa
 not one of them. Its KV configs calibrate with the "max" calibrator, i.e. absmax over the calibration data, which is
 what is computed here, per KV head instead of per tensor (one outlier head no longer coarsens all the others).
 
-fp8 (float8 e4m3fn) pools are refused, measured on onnxruntime 1.32: ScatterND and Gather accept no float8 tensor (ONNX's
-type constraints of ScatterND-18 / Gather-13 list none), and storing the bits as uint8 needs BitCast, which ORT does not
-implement ("Could not find an implementation for BitCast(26)"). Knows neither ONNX nor the runtime.
+fp8 (float8 e4m3fn) pools hold the codes as uint8: onnxruntime 1.32's ScatterND and Gather accept no float8 tensor and
+it implements no BitCast, so the graph encodes and decodes them itself (plugins/e4m3.py; bench/NOTES.md entry 21).
+Knows neither ONNX nor the runtime.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from engine.core.errors import EngineError
 from .calibrate import CalibrationOptions, Sampler
 
 KV_CACHE_DTYPES = ("float32", "int8", "fp8")   # the names --kv-cache-dtype knows (TensorRT-LLM's)
-QUANTIZED = ("int8",)                          # built and run
-BYTES = {"float32": 4, "int8": 1}
-INT8_MAX = 127.0
+QUANTIZED = ("int8", "fp8")                    # built and run
+BYTES = {"float32": 4, "int8": 1, "fp8": 1}
+RANGE = {"int8": 127.0, "fp8": 448.0}          # the absmax a scale maps to
 MIN_AMAX = 1e-6  # a head that stayed 0 over calibration keeps a finite scale (its values then saturate, never NaN)
 # default calibration data of a KV cache alone (a calibrated --dtype uses its own, larger, default): absmax needs far
 # fewer tokens than ModelOpt's weight calibration. SmolLM2: 16 x 256 sampled tokens already give +0.20% perplexity.
@@ -43,11 +43,7 @@ METHOD = "absmax of K (after rotary) and V per layer and KV head over the calibr
 def check_kv_cache_dtype(name: str, backend: str) -> None:
     """Refuse a KV dtype this backend cannot run, naming what can."""
     if name not in KV_CACHE_DTYPES:
-        raise EngineError(f"--kv-cache-dtype {name!r} is unknown; use float32 or int8", usage=True)
-    if name == "fp8":
-        raise EngineError("--kv-cache-dtype fp8 cannot run on onnxruntime: its ScatterND and Gather kernels take no "
-                          "float8 tensor (the KV pool is written and read with them); use --kv-cache-dtype int8",
-                          usage=True)
+        raise EngineError(f"--kv-cache-dtype {name!r} is unknown; use {', '.join(KV_CACHE_DTYPES)}", usage=True)
     if name in QUANTIZED and backend == "tensorrt":
         raise EngineError(f"--kv-cache-dtype {name} is built for --backend onnxruntime only (the TensorRT engine "
                           "ping-pongs float32 pools and its int8 ScatterND/Gather are unverified); pass --backend "
@@ -85,7 +81,7 @@ def calibrate_kv_scales(model: ModelConfig, tensors: Mapping[str, np.ndarray], d
                                       max_positions, sample)
     seqs = [s[:max_positions] for s in seqs]
     k_max, v_max = kv_absmax(lm, model, _batches(seqs, opts.batch_size))
-    scale = lambda amax: (np.maximum(amax, MIN_AMAX) / INT8_MAX).astype(np.float32).tolist()  # noqa: E731
+    scale = lambda amax: (np.maximum(amax, MIN_AMAX) / RANGE[dtype]).astype(np.float32).tolist()  # noqa: E731
     return {"dtype": dtype, "granularity": "per KV head", "method": METHOD, "data": source, "sequences": len(seqs),
             "tokens": sum(len(s) for s in seqs), "k_scale": scale(k_max), "v_scale": scale(v_max)}
 
@@ -108,5 +104,7 @@ def layer_scales(record: dict, model: ModelConfig, layer: int, tp: int, rank: in
 
 def describe(record: dict) -> str:
     """One line for config.json's precision table and `engine inspect`."""
-    return (f"{record['dtype']} symmetric, float32 scales {record['granularity']} ({record['method']}; "
+    kind = "fp8 e4m3 (uint8 codes, emulated: converted in float32 on the CPU)" if record["dtype"] == "fp8" \
+        else f"{record['dtype']} symmetric"
+    return (f"{kind}, float32 scales {record['granularity']} ({record['method']}; "
             f"{record['tokens']} tokens, {record['data']})")

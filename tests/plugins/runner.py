@@ -17,7 +17,8 @@ import onnxruntime as ort
 from engine.builder.graph import Graph
 
 ONNX_TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int64): onnx.TensorProto.INT64,
-              np.dtype(np.bool_): onnx.TensorProto.BOOL, np.dtype(np.int8): onnx.TensorProto.INT8}
+              np.dtype(np.bool_): onnx.TensorProto.BOOL, np.dtype(np.int8): onnx.TensorProto.INT8,
+              np.dtype(np.uint8): onnx.TensorProto.UINT8}
 
 
 def build(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray]) -> tuple[Graph, list[str]]:

@@ -1,9 +1,12 @@
-"""--kv-cache-dtype int8: int8 pools with calibrated per-KV-head scales (quantization/kv_cache.py).
+"""--kv-cache-dtype int8|fp8: int8 pools, or e4m3 codes in uint8 pools (plugins/e4m3.py), with calibrated per-KV-head
+scales (quantization/kv_cache.py).
 
-Tolerance: the relative RMS difference of an int8-KV engine's logits from the float32-KV engine's (same weights, same
-tokens: prefill, then teacher-forced decode steps). Measured on the tiny random models: Llama 0.42%, Qwen2-sliding
-0.43%, Qwen3 0.79%, Gemma2 0.97%, Gemma3 1.8%, Mistral-MQA 0.35%, Phi3 0.58%; over int8_wo / int4_wo / fp8 / int8_sq /
-int4_awq weights (Llama) 0.6 / 0.5 / 1.3 / 2.4 / 0.6%. A wrong or missing scale gives errors near 100%.
+Tolerance: the relative RMS difference of a quantized-KV engine's logits from the float32-KV engine's (same weights,
+same tokens: prefill, then teacher-forced decode steps). Measured on the tiny random models, int8: Llama 0.42%,
+Qwen2-sliding 0.43%, Qwen3 0.79%, Gemma2 0.97%, Gemma3 1.8%, Mistral-MQA 0.35%, Phi3 0.58%; over int8_wo / int4_wo /
+fp8 / int8_sq / int4_awq weights (Llama) 0.6 / 0.5 / 1.3 / 2.4 / 0.6%. fp8 (3 mantissa bits): Llama 1.00%,
+Qwen2-sliding 1.06%, Qwen3 1.81%, Gemma2 2.26%, Gemma3 5.68%, Mistral-MQA 0.99%. A wrong or missing scale gives
+errors near 100%.
 The invariances (chunked == one-shot prefill, cached == uncached, reference lowering == plugin, tp=2 == tp=1) hold to
 float32 rounding (measured <= 1e-6): both sides quantize the same K/V with the same scales.
 """
@@ -14,13 +17,16 @@ import json
 import os
 import subprocess
 
+import ml_dtypes
 import numpy as np
+import onnx
 import pytest
 
 from engine.builder.build import check_build_config
 from engine.builder.memory import memory_plan
 from engine.core.engine_config import BuildConfig
 from engine.core.errors import EngineError
+from engine.plugins import e4m3
 from engine.quantization.kv_cache import check_kv_cache_dtype
 from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.kv_budget import plan_kv_cache
@@ -31,7 +37,8 @@ from tests.cli.engine_cli import ENGINE, assert_one_line_error
 from tests.quantization.kv_engines import forced_logits, kv_engine, relative_rms
 from tests.tolerances import assert_logits_close
 
-KV_RELATIVE_RMS = 0.04
+KV_RELATIVE_RMS = {"int8": 0.04, "fp8": 0.08}
+POOL_DTYPE = {"int8": np.int8, "fp8": np.uint8}   # fp8: e4m3 codes
 # GQA, sliding + qkv bias, qk-norm with head_dim != hidden/heads, softcaps + sandwich norms, two rotary tables, MQA
 FAMILIES = ["LlamaForCausalLM", "Qwen2ForCausalLM:sliding", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
             "Gemma3ForCausalLM", "MistralForCausalLM:mqa-no-window"]
@@ -46,11 +53,29 @@ def float_greedy(session, steps: int = 8) -> list[int]:
     return tokens
 
 
+def _int8_pool(rng, shape):
+    codes = rng.integers(-128, 128, shape).astype(np.int8)
+    return codes, codes.astype(np.float32)
+
+
+def _fp8_pool(rng, shape):
+    codes = rng.integers(0, 256, shape).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0           # the NaN codes are never written
+    return codes, e4m3.VALUES[codes]
+
+
+# per KV dtype: a pool of stale codes and its unscaled values; what QuantizeLinear then DequantizeLinear gives x / s
+POOLS = {"int8": (_int8_pool, lambda x, s: np.clip(np.rint(x / s), -128, 127) * s),
+         "fp8": (_fp8_pool, lambda x, s: np.clip(x / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                 * s)}
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
 @pytest.mark.parametrize("plugin", [False, True])
-def test_quantized_write_and_gather_match_numpy(plugin):
-    """write_kv quantizes (round half to even, saturate), paged_attention attends over the dequantized context: both
-    lowerings against the float64 reference of tests/plugins over the same dequantized pools, on a step mixing
-    prefills, chunked prefills and decodes over an int8 pool full of stale values."""
+def test_quantized_write_and_gather_match_numpy(plugin, kv):
+    """write_kv quantizes (round half to even, saturate; fp8 as ml_dtypes' e4m3), paged_attention attends over the
+    dequantized context: both lowerings against the float64 reference of tests/plugins over the same dequantized
+    pools, on a step mixing prefills, chunked prefills and decodes over a quantized pool full of stale values."""
     from engine.plugins.attention import paged_attention, write_kv
     from tests.plugins.runner import assert_close, run_op
     from tests.plugins.test_attention import STEPS, make_step, reference
@@ -59,50 +84,75 @@ def test_quantized_write_and_gather_match_numpy(plugin):
     step = make_step(rng, STEPS["mixed"], kv_heads, hd, heads)
     f = step.feeds
     ks, vs = (rng.uniform(0.01, 0.05, kv_heads * hd).astype(np.float32) for _ in range(2))
-    for name, s in (("kcache", ks), ("vcache", vs)):
-        f[name] = rng.integers(-128, 128, f[name].shape).astype(np.int8)
+    make_pool, qdq = POOLS[kv]
+    (f["kcache"], k_values), (f["vcache"], v_values) = make_pool(rng, f["kcache"].shape), make_pool(rng, f["vcache"].shape)
     feeds = {**f, "ks": ks, "vs": vs}
 
     def graph(g, q, k, v, kcache, vcache, slot_mapping, q_index, kv_slots, attn_mask, out_index, k_s, v_s):
-        kc = write_kv(g, kcache, slot_mapping, k, name="/k_cache", scale=k_s)
-        vc = write_kv(g, vcache, slot_mapping, v, name="/v_cache", scale=v_s)
+        kc = write_kv(g, kcache, slot_mapping, k, name="/k_cache", scale=k_s, kv_dtype=kv, channels=kv_heads * hd)
+        vc = write_kv(g, vcache, slot_mapping, v, name="/v_cache", scale=v_s, kv_dtype=kv, channels=kv_heads * hd)
         return paged_attention(g, q, kc, vc, q_index=q_index, kv_slots=kv_slots, mask=attn_mask, out_index=out_index,
                                num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, scale=scale, softcap=None,
-                               name="/attention", plugin=plugin, k_scale=ks, v_scale=vs)
+                               name="/attention", plugin=plugin, k_scale=ks, v_scale=vs, kv_dtype=kv)
 
     ours = run_op(graph, feeds)
-    qdq = lambda x, s: np.clip(np.rint(x / s), -128, 127) * s  # noqa: E731 - QuantizeLinear then DequantizeLinear
     dequantized = dataclasses.replace(step, feeds={**f, "k": qdq(f["k"], ks), "v": qdq(f["v"], vs),
-                                                   "kcache": f["kcache"] * ks, "vcache": f["vcache"] * vs})
+                                                   "kcache": k_values * ks, "vcache": v_values * vs})
     assert_close(ours, reference(dequantized, heads, kv_heads, hd, scale, None))
 
 
+def test_e4m3_codes_are_ml_dtypes_codes():
+    """plugins/e4m3.encode gives every e4m3 value (at several scales) and random inputs over 8 decades the code
+    ml_dtypes gives (saturated at 448; a negative zero may come out as +0), and decode reads them back."""
+    from engine.plugins.e4m3 import decode, encode
+    from tests.plugins.runner import run_op
+    scale = np.array([1e-3, 0.01, 0.5, 1.0, 3.0, 100.0], np.float32)
+    finite = e4m3.VALUES[(np.arange(256) & 0x7F) != 0x7F]
+    rng = np.random.default_rng(0)
+    x = np.concatenate([finite[:, None] * scale,
+                        rng.standard_normal((4000, 6)).astype(np.float32) * scale
+                        * rng.choice([1e-4, 1e-2, 1.0, 1e2, 1e4], (4000, 1)).astype(np.float32)])
+
+    def graph(g, x, s):
+        codes = encode(g, g.scope("/encode"), x, s, 6)
+        return g.node("Cast", [codes], name="/codes", to=onnx.TensorProto.FLOAT), decode(g, g.scope("/decode"), codes)
+
+    codes, values = run_op(graph, {"x": x, "s": scale})
+    codes = codes.astype(np.uint8)
+    expected = np.clip(x / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    same = (codes == expected.view(np.uint8)) | ((e4m3.VALUES[codes] == 0) & (expected.astype(np.float32) == 0))
+    assert same.all(), x[~same][:5]
+    np.testing.assert_array_equal(values, expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
 @pytest.mark.parametrize("key", FAMILIES)
-def test_int8_kv_logits_close_to_float_kv(tiny, key):
+def test_quantized_kv_logits_close_to_float_kv(tiny, key, kv):
     reference = EngineSession(kv_engine(tiny, key, "float32"), num_blocks=64)
     tokens = float_greedy(reference)
     expected = forced_logits(reference, PROMPT, tokens, BLOCKS)
-    session = EngineSession(kv_engine(tiny, key), num_blocks=64)
+    session = EngineSession(kv_engine(tiny, key, kv), num_blocks=64)
     actual = forced_logits(session, PROMPT, tokens, BLOCKS)
     err = relative_rms(actual, expected)
-    assert 0 < err <= KV_RELATIVE_RMS, f"{key}: int8 KV logits differ by {err:.2%} RMS from float KV"
+    assert 0 < err <= KV_RELATIVE_RMS[kv], f"{key}: {kv} KV logits differ by {err:.2%} RMS from float KV"
 
 
-@pytest.mark.parametrize("key", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
-def test_invariances_hold_with_int8_kv(tiny, key):
+@pytest.mark.parametrize("key, kv", [("LlamaForCausalLM", "int8"), ("Gemma2ForCausalLM", "int8"),
+                                     ("LlamaForCausalLM", "fp8")])
+def test_invariances_hold_with_quantized_kv(tiny, key, kv):
     """Chunked prefill == one-shot; decode through the cache == prefill of the whole sequence (uncached); the
     reference lowering == the Attention plugin."""
     tokens = [7, 300, 41, 222, 5, 90]
-    one_shot = forced_logits(EngineSession(kv_engine(tiny, key), num_blocks=64), PROMPT, tokens, BLOCKS)
-    chunked = forced_logits(EngineSession(kv_engine(tiny, key), num_blocks=64), PROMPT, tokens, BLOCKS, chunk=7)
-    assert_logits_close(chunked, one_shot, what=f"{key} int8 KV: chunked prefill")
-    fresh = EngineSession(kv_engine(tiny, key), num_blocks=64)
+    one_shot = forced_logits(EngineSession(kv_engine(tiny, key, kv), num_blocks=64), PROMPT, tokens, BLOCKS)
+    chunked = forced_logits(EngineSession(kv_engine(tiny, key, kv), num_blocks=64), PROMPT, tokens, BLOCKS, chunk=7)
+    assert_logits_close(chunked, one_shot, what=f"{key} {kv} KV: chunked prefill")
+    fresh = EngineSession(kv_engine(tiny, key, kv), num_blocks=64)
     uncached = np.stack([fresh.run([SeqChunk(PROMPT + tokens[:k], 0, BLOCKS, True)])[0]
                          for k in range(len(tokens) + 1)])
-    assert_logits_close(one_shot, uncached, what=f"{key} int8 KV: cached decode vs full prefill")
-    reference = forced_logits(EngineSession(kv_engine(tiny, key, plugins=False), num_blocks=64), PROMPT, tokens,
+    assert_logits_close(one_shot, uncached, what=f"{key} {kv} KV: cached decode vs full prefill")
+    reference = forced_logits(EngineSession(kv_engine(tiny, key, kv, plugins=False), num_blocks=64), PROMPT, tokens,
                               BLOCKS)
-    assert_logits_close(reference, one_shot, what=f"{key} int8 KV: reference lowering vs plugin")
+    assert_logits_close(reference, one_shot, what=f"{key} {kv} KV: reference lowering vs plugin")
 
 
 @pytest.mark.parametrize("mode", ["int8_wo", "int4_wo", "fp8"])
@@ -116,67 +166,71 @@ def test_int8_kv_with_quantized_weights(tiny, mode):
     session = EngineSession(kv_engine(tiny, key, mode=mode), num_blocks=64)
     assert session.kv_pool[0][0].dtype == np.int8
     err = relative_rms(forced_logits(session, PROMPT, tokens, BLOCKS), expected)
-    assert 0 < err <= KV_RELATIVE_RMS, f"{mode} weights: int8 KV logits differ by {err:.2%} RMS from float KV"
+    assert 0 < err <= KV_RELATIVE_RMS["int8"], f"{mode} weights: int8 KV logits differ by {err:.2%} RMS from float KV"
 
 
-@pytest.mark.parametrize("key", ["LlamaForCausalLM", "MistralForCausalLM:mqa-no-window"])
-def test_tp2_int8_kv_matches_tp1(tiny, key):
+@pytest.mark.parametrize("key, kv", [("LlamaForCausalLM", "int8"), ("MistralForCausalLM:mqa-no-window", "int8"),
+                                     ("MistralForCausalLM:mqa-no-window", "fp8")])
+def test_tp2_quantized_kv_matches_tp1(tiny, key, kv):
     """Each rank quantizes its own KV heads (MQA: a replicated head) with that head's scales."""
     from engine.runtime.tp.session import TPSession
     tokens = [7, 300, 41, 222]
-    expected = forced_logits(EngineSession(kv_engine(tiny, key), num_blocks=64), PROMPT, tokens, BLOCKS)
-    session = TPSession(kv_engine(tiny, key, tp=2), num_blocks=64)
+    expected = forced_logits(EngineSession(kv_engine(tiny, key, kv), num_blocks=64), PROMPT, tokens, BLOCKS)
+    session = TPSession(kv_engine(tiny, key, kv, tp=2), num_blocks=64)
     try:
-        assert session.kv_pool[0][0].dtype == np.int8
-        assert_logits_close(forced_logits(session, PROMPT, tokens, BLOCKS), expected, what=f"{key} tp=2 int8 KV")
+        assert session.kv_pool[0][0].dtype == POOL_DTYPE[kv]
+        assert_logits_close(forced_logits(session, PROMPT, tokens, BLOCKS), expected, what=f"{key} tp=2 {kv} KV")
     finally:
         session.close()
 
 
-def test_pool_is_int8_and_the_plan_holds_4x_tokens(tiny):
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_pool_is_one_byte_and_the_plan_holds_4x_tokens(tiny, kv):
     key = "LlamaForCausalLM"
-    f32, int8 = load_engine_config(kv_engine(tiny, key, "float32")), load_engine_config(kv_engine(tiny, key))
+    f32, int8 = load_engine_config(kv_engine(tiny, key, "float32")), load_engine_config(kv_engine(tiny, key, kv))
     m = int8.model
     kv_size = m.num_kv_heads * m.head_dim
     assert int8.memory.kv_bytes_per_token == m.num_layers * 2 * kv_size          # 1 byte per element
     assert f32.memory.kv_bytes_per_token == 4 * int8.memory.kv_bytes_per_token
     budget = 32 * f32.memory.kv_bytes_per_block
     tokens = {c.build.kv_cache_dtype: plan_kv_cache(c, kv_cache_bytes=budget).num_tokens for c in (f32, int8)}
-    assert tokens["int8"] == 4 * tokens["float32"]
-    session = EngineSession(kv_engine(tiny, key), num_blocks=16)
+    assert tokens[kv] == 4 * tokens["float32"]
+    session = EngineSession(kv_engine(tiny, key, kv), num_blocks=16)
     slots = 16 * int8.build.tokens_per_block
     for k, v in session.kv_pool:
         for pool in (k, v):
-            assert pool.dtype == np.int8 and pool.shape == (slots, kv_size) and pool.nbytes == slots * kv_size
+            assert pool.dtype == POOL_DTYPE[kv] and pool.shape == (slots, kv_size) and pool.nbytes == slots * kv_size
     session.run([SeqChunk(PROMPT, 0, BLOCKS, True)])
     k0 = session.kv_pool[0][0]
-    # the calibrated absmax maps onto the int8 range: these prompt tokens (not calibration text) reach 122 of 127
-    assert 64 <= np.abs(k0[:len(PROMPT)].astype(np.int32)).max() <= 127
+    # the calibrated absmax maps onto the quantized range: these prompt tokens (not calibration text) reach 122 of
+    # int8's 127, and fp8 codes of e4m3 values above 448 / 4
+    written = np.abs(k0[:len(PROMPT)].astype(np.int32)) if kv == "int8" else np.abs(e4m3.VALUES[k0[:len(PROMPT)]])
+    assert {"int8": 64, "fp8": 112}[kv] <= written.max() <= {"int8": 127, "fp8": 448}[kv]
     assert not k0[len(PROMPT):].any()
     assert memory_plan(m, int8.build).kv_bytes_per_block == int8.memory.kv_bytes_per_block
 
 
-def test_config_records_the_scales_and_inspect_shows_them(tiny):
-    d = kv_engine(tiny, "Qwen3ForCausalLM")
+@pytest.mark.parametrize("kv, described", [("int8", "int8 symmetric"), ("fp8", "fp8 e4m3 (uint8 codes, emulated")])
+def test_config_records_the_scales_and_inspect_shows_them(tiny, kv, described):
+    d = kv_engine(tiny, "Qwen3ForCausalLM", kv)
     config = load_engine_config(d)
     q, m = config.quantization, config.model
-    assert config.build.kv_cache_dtype == q.kv_cache_dtype == "int8" and q.mode is None
+    assert config.build.kv_cache_dtype == q.kv_cache_dtype == kv and q.mode is None
     for key in ("k_scale", "v_scale"):
         scales = np.asarray(q.kv_cache[key])
         assert scales.shape == (m.num_layers, m.num_kv_heads) and (scales > 0).all()
-    assert config.precision["kv_cache"].startswith("int8 symmetric")
+    assert config.precision["kv_cache"].startswith(described)
     raw = json.loads((d / "config.json").read_text())
-    assert raw["build"]["kv_cache_dtype"] == "int8" and raw["quantization"]["kv_cache"]["granularity"] == "per KV head"
+    assert raw["build"]["kv_cache_dtype"] == kv and raw["quantization"]["kv_cache"]["granularity"] == "per KV head"
     r = subprocess.run(ENGINE + ["inspect", "--engine-dir", str(d)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())
-    assert "kv_cache_dtype │ int8" in out and "int8 symmetric" in out and "K+V, int8" in out
+    assert f"kv_cache_dtype │ {kv}" in out and described in out and f"K+V, {kv}" in out
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is unknown; use float32 or int8"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 cannot run on onnxruntime"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is unknown; use float32, int8, fp8"),
     (["--kv-cache-dtype", "float32", "--calib-size", "4"], "apply to calibrated builds"),
 ])
 def test_bad_kv_flags_are_one_line_errors(tiny, tmp_path, flags, message):
@@ -188,11 +242,11 @@ def test_bad_kv_flags_are_one_line_errors(tiny, tmp_path, flags, message):
     assert not (tmp_path / "e").exists()
 
 
-def test_backends_that_cannot_run_int8_kv_are_refused(tiny):
-    with pytest.raises(EngineError, match="use --kv-cache-dtype int8"):
-        check_kv_cache_dtype("fp8", "onnxruntime")
-    with pytest.raises(EngineError, match="--backend onnxruntime only"):
-        check_kv_cache_dtype("int8", "tensorrt")
+def test_backends_that_cannot_run_quantized_kv_are_refused(tiny):
+    for kv in ("int8", "fp8"):
+        with pytest.raises(EngineError, match="--backend onnxruntime only"):
+            check_kv_cache_dtype(kv, "tensorrt")
+        check_kv_cache_dtype(kv, "onnxruntime")
     model = load_engine_config(kv_engine(tiny, "LlamaForCausalLM")).model
     with pytest.raises(EngineError, match="--kv-cache-dtype int8 is built for --backend onnxruntime only"):
         check_build_config(model, BuildConfig(max_seq_len=128, max_input_len=64, backend="tensorrt",
@@ -200,16 +254,17 @@ def test_backends_that_cannot_run_int8_kv_are_refused(tiny):
     check_build_config(model, BuildConfig(max_seq_len=128, max_input_len=64, kv_cache_dtype="int8"))
 
 
-def test_cli_build_calibrates_and_reports(tiny, tmp_path):
-    """`engine build --kv-cache-dtype int8` with the default calibration (64 sampled sequences of up to 256 tokens)
-    and the accuracy report against the float32-KV engine; `engine run` then generates from the int8 pool."""
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_cli_build_calibrates_and_reports(tiny, tmp_path, kv):
+    """`engine build --kv-cache-dtype int8|fp8` with the default calibration (64 sampled sequences of up to 256
+    tokens) and the accuracy report against the float32-KV engine; `engine run` then generates from the pool."""
     out = tmp_path / "e"
     r = subprocess.run(ENGINE + ["build", "--checkpoint-dir", str(tiny.checkpoint("LlamaForCausalLM")),
-                                 "--output-dir", str(out), "--kv-cache-dtype", "int8", "--max-seq-len", "128",
+                                 "--output-dir", str(out), "--kv-cache-dtype", kv, "--max-seq-len", "128",
                                  "--eval-tokens", "128", "--max-ppl-increase", "5", "--no-progress"],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
-    assert "accuracy (int8 KV cache): perplexity" in " ".join(r.stdout.split())
+    assert f"accuracy ({kv} KV cache): perplexity" in " ".join(r.stdout.split())
     q = load_engine_config(out).quantization
     assert q.kv_cache["sequences"] == 64 and q.accuracy["ppl_increase_pct"] <= 5
     r = subprocess.run(ENGINE + ["run", "--engine-dir", str(out), "--max-kv-tokens", "512", "--input-text",
