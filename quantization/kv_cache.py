@@ -46,8 +46,8 @@ def check_kv_cache_dtype(name: str, backend: str) -> None:
         raise EngineError(f"--kv-cache-dtype {name!r} is unknown; use {', '.join(KV_CACHE_DTYPES)}", usage=True)
     if name in QUANTIZED and backend == "tensorrt":
         raise EngineError(f"--kv-cache-dtype {name} is built for --backend onnxruntime only (the TensorRT engine "
-                          "ping-pongs float32 pools and its int8 ScatterND/Gather are unverified); pass --backend "
-                          "onnxruntime or --kv-cache-dtype float32", usage=True)
+                          f"ping-pongs float32 pools; {name} ones could not be verified without a GPU); pass "
+                          "--backend onnxruntime or --kv-cache-dtype float32", usage=True)
 
 
 def kv_absmax(lm, model: ModelConfig, batches: list[list[list[int]]]) -> tuple[np.ndarray, np.ndarray]:
