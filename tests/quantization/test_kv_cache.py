@@ -85,7 +85,8 @@ def test_quantized_write_and_gather_match_numpy(plugin, kv):
     f = step.feeds
     ks, vs = (rng.uniform(0.01, 0.05, kv_heads * hd).astype(np.float32) for _ in range(2))
     make_pool, qdq = POOLS[kv]
-    (f["kcache"], k_values), (f["vcache"], v_values) = make_pool(rng, f["kcache"].shape), make_pool(rng, f["vcache"].shape)
+    f["kcache"], k_values = make_pool(rng, f["kcache"].shape)
+    f["vcache"], v_values = make_pool(rng, f["vcache"].shape)
     feeds = {**f, "ks": ks, "vs": vs}
 
     def graph(g, q, k, v, kcache, vcache, slot_mapping, q_index, kv_slots, attn_mask, out_index, k_s, v_s):
