@@ -1,5 +1,5 @@
-"""Tiny engines with an int8 KV cache (and their float-KV twins), cached per test session, and teacher-forced
-decoding, so an int8-KV engine and a float-KV engine are compared on the same tokens."""
+"""Tiny engines with a quantized (int8 or fp8) KV cache and their float-KV twins, cached per test session, and
+teacher-forced decoding, so a quantized-KV engine and a float-KV engine are compared on the same tokens."""
 from __future__ import annotations
 
 import dataclasses
