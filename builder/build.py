@@ -49,6 +49,7 @@ from . import onnxruntime_backend as ortb
 from . import tensorrt_backend as trtb
 from . import tensorrt_collectives as trtc
 from . import tensorrt_quant as trtq
+from .graph import uses_engine_kernels
 from .memory import memory_plan
 from .model_graph import build_graph
 from .reference import ReferenceEngine
@@ -287,9 +288,10 @@ def build_rank(job: RankJob) -> int:
         return job.rank
     out = job.out_dir / engine_file(job.rank)
     raw = job.out_dir / f"rank{job.rank}.raw.onnx"
+    kernels = uses_engine_kernels(proto)
     ortb.save_raw(proto, raw)
     del proto
-    ortb.optimize(raw, out, opt_level=job.build.opt_level, fold_at_load=job.quant.source_grid)
+    ortb.optimize(raw, out, opt_level=job.build.opt_level, fold_at_load=job.quant.source_grid, kernels=kernels)
     return job.rank
 
 

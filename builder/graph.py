@@ -17,6 +17,8 @@ from onnx import helper, numpy_helper
 OPSET = 23          # standard Attention, RMSNormalization, RotaryEmbedding
 MS_OPSET = 1        # com.microsoft contrib ops
 MS_DOMAIN = "com.microsoft"
+ENGINE_DOMAIN = "engine"  # the engine's own kernels (plugins/native.py)
+ENGINE_OPSET = 1
 
 
 class Graph:
@@ -73,10 +75,21 @@ class Graph:
 
     def model(self) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
-        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, MS_OPSET)]
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="engine")
-        model.ir_version = 10
-        return model
+        return model_of(graph)
+
+
+def model_of(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """The engine's model around `graph`: the standard and contrib opsets, and the engine's own domain if used."""
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, MS_OPSET)]
+    if any(n.domain == ENGINE_DOMAIN for n in graph.node):
+        opsets.append(helper.make_opsetid(ENGINE_DOMAIN, ENGINE_OPSET))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="engine")
+    model.ir_version = 10
+    return model
+
+
+def uses_engine_kernels(model: onnx.ModelProto) -> bool:
+    return any(o.domain == ENGINE_DOMAIN for o in model.opset_import)
 
 
 class Scope:

@@ -253,7 +253,7 @@ class _Builder:
             num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd,
             scale=m.attention_scale if m.attention_scale is not None else hd ** -0.5,
             softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin,
-            k_scale=ks, v_scale=vs, kv_dtype=self.kv_dtype)
+            kernel=p.paged_attention_plugin, k_scale=ks, v_scale=vs, kv_dtype=self.kv_dtype)
         out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import onnx
 
+from engine.plugins import native
+
 OPT_LEVELS = ("disable", "basic", "extended", "all")
 MIN_EXTERNAL_BYTES = 1024
 # the two ORT transformers that would store a Cast of a float16 initializer as a float32 initializer
@@ -35,11 +37,11 @@ def save_raw(model: onnx.ModelProto, path: Path) -> None:
                     location=f"{path.name}.data", size_threshold=MIN_EXTERNAL_BYTES)
 
 
-def optimize(raw: Path, out: Path, *, opt_level: str, fold_at_load: bool = False) -> None:
+def optimize(raw: Path, out: Path, *, opt_level: str, fold_at_load: bool = False, kernels: bool = False) -> None:
     """Optimize `raw` with ORT at `opt_level` and save the result as `out` + `out`.data; deletes `raw`.
     `fold_at_load`: the graph widens weights stored as float16 (Cast of an initializer, plugins/linear.py); constant
     folding would store them widened, so it is left to the session that loads the engine
-    (runtime/session.engine_session_options)."""
+    (runtime/session.engine_session_options). `kernels`: the graph uses the engine's own ops (plugins/native.py)."""
     import onnxruntime as ort
 
     levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -54,6 +56,8 @@ def optimize(raw: Path, out: Path, *, opt_level: str, fold_at_load: bool = False
                                 str(MIN_EXTERNAL_BYTES))
     # Nothing runs in this session: prepacking the weights would only double the build's peak memory.
     so.add_session_config_entry("session.disable_prepacking", "1")
+    if kernels:
+        native.register(so)
     so.log_severity_level = 3  # ORT warns that an ENABLE_ALL model is hardware specific; the docstring says so
     session = ort.InferenceSession(str(raw), so, providers=["CPUExecutionProvider"],
                                    disabled_optimizers=KEEP_NARROW if fold_at_load else None)

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 from engine.core.engine_config import allreduce_name, num_segments, segment_file
 
 from . import onnxruntime_backend as ortb
-from .graph import MS_DOMAIN, MS_OPSET, OPSET, Graph
+from .graph import MS_DOMAIN, Graph, model_of, uses_engine_kernels
 
 
 @dataclass
@@ -41,10 +41,7 @@ class Segment:
         self.initializers.reverse()
         while self.initializers:
             graph.initializer.append(self.initializers.pop())
-        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, MS_OPSET)]
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="engine")
-        model.ir_version = 10
-        return model
+        return model_of(graph)
 
 
 def _is_all_reduce(node: onnx.NodeProto) -> bool:
@@ -131,6 +128,8 @@ def save_segments(graph: Graph, out_dir: Path, rank: int, *, num_layers: int, op
         raw = out_dir / f"rank{rank}.seg{k:03d}.raw.onnx"
         proto = seg.model(f"rank{rank}_seg{k}")
         del seg
+        kernels = uses_engine_kernels(proto)
         ortb.save_raw(proto, raw)
         del proto
-        ortb.optimize(raw, out_dir / segment_file(rank, k), opt_level=opt_level, fold_at_load=fold_at_load)
+        ortb.optimize(raw, out_dir / segment_file(rank, k), opt_level=opt_level, fold_at_load=fold_at_load,
+                      kernels=kernels)

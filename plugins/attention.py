@@ -29,16 +29,21 @@ The scales are folded out of the context instead of dequantizing it: per channel
 step's T rows. DequantizeLinear per axis over the context made SmolLM2's int8-KV decode 1.9x slower than float KV
 (bench/NOTES.md entry 15). Both lowerings read the same cast K/V and scaled q, so the reference stays equivalent.
 
-Lowerings: `plugin=True` is the standard opset-23 Attention op (GQA by q_num_heads/kv_num_heads, boolean mask,
-scale, softcap); `plugin=False` spells it out: explicit GQA head expansion, MatMul, softcap = c*tanh(s/c),
-Where(mask, s, -1e30), Softmax, MatMul.
+Lowerings: `kernel=True` (the default build, --paged-attention-plugin) is one node of the engine's own op
+(domain "engine", plugins/kernels/paged_attention.cc, compiled on first use by plugins/native.py) taking q, the
+pools, q_index, kv_slots, mask and out_index as they are: it reads each visible pool row in place, for the T packed
+tokens only, with the quantized pools' values widened as it reads them (fp8: a 256-entry table), so none of the
+gathers above exist (they were half of a decode step's time outside the matmuls: bench/NOTES.md entries 10, 23).
+Otherwise the context is gathered as drawn above and `plugin=True` runs the standard opset-23 Attention op (GQA by
+q_num_heads/kv_num_heads, boolean mask, scale, softcap); `plugin=False` spells it out: explicit GQA head expansion,
+MatMul, softcap = c*tanh(s/c), Where(mask, s, -1e30), Softmax, MatMul.
 """
 from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto
 
-from engine.builder.graph import Graph, Scope
+from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
 
 from . import e4m3
@@ -46,6 +51,8 @@ from . import e4m3
 # Masked scores are replaced (not offset) by this: finite, so an all-masked padded row softmaxes to a uniform
 # average instead of NaN, and far below any real score, so exp() of it is exactly 0 beside a visible key.
 MASKED_SCORE = -1e30
+# the engine's kernel (plugins/kernels/paged_attention.cc) for each pool dtype
+KERNELS = {"float32": "PagedAttention", "int8": "PagedAttentionInt8", "fp8": "PagedAttentionFp8"}
 
 
 def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, scale: str | None = None,
@@ -65,8 +72,9 @@ def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, sc
 
 def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str, kv_slots: str, mask: str,
                     out_index: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                    softcap: float | None, name: str, plugin: bool, k_scale: np.ndarray | None = None,
-                    v_scale: np.ndarray | None = None, kv_dtype: str = "float32") -> str:
+                    softcap: float | None, name: str, plugin: bool, kernel: bool = False,
+                    k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None,
+                    kv_dtype: str = "float32") -> str:
     """q [T, num_heads*hd] (rotary applied), pools already holding this step's K/V -> [T, num_heads*hd]. With
     k_scale / v_scale (int8 and fp8 pools: float32 [kv*hd]) the gathered context is converted to float32 unscaled
     (int8: cast; fp8: its e4m3 values) and the scales are folded into q and the output (module docstring)."""
@@ -78,6 +86,22 @@ def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str,
     group = num_heads // num_kv_heads
     if k_scale is not None:
         q = op("Mul", [q, g.const(per_query_head(k_scale, num_kv_heads, group), np.float32)])
+    if kernel:
+        out = op(KERNELS[kv_dtype], [q, kcache, vcache, q_index, kv_slots, mask, out_index], domain=ENGINE_DOMAIN,
+                 num_heads=num_heads, num_kv_heads=num_kv_heads, scale=float(scale), softcap=float(softcap or 0))
+    else:
+        out = _gathered(g, op, q, kcache, vcache, q_index=q_index, kv_slots=kv_slots, mask=mask, out_index=out_index,
+                        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
+                        softcap=softcap, plugin=plugin, kv_dtype=kv_dtype)
+    if v_scale is not None:
+        out = op("Mul", [out, g.const(per_query_head(v_scale, num_kv_heads, group), np.float32)])
+    return out
+
+
+def _gathered(g: Graph, op: Scope, q: str, kcache: str, vcache: str, *, q_index: str, kv_slots: str, mask: str,
+              out_index: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float | None,
+              plugin: bool, kv_dtype: str) -> str:
+    """The context of every row gathered out of the pools, then attention over [B, Qmax] x [B, Lmax]."""
     qb = op("Gather", [q, q_index], axis=0)         # [B, Qmax, heads*hd]
     kb = op("Gather", [kcache, kv_slots], axis=0)   # [B, Lmax, kv*hd]
     vb = op("Gather", [vcache, kv_slots], axis=0)
@@ -93,10 +117,7 @@ def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str,
     else:
         out = _reference(g, op, qb, kb, vb, mask, num_heads, num_kv_heads, head_dim, scale, softcap)
     flat = op("Reshape", [out, g.const([-1, num_heads * head_dim])])   # [B*Qmax, heads*hd]
-    out = op("Gather", [flat, out_index], axis=0)
-    if v_scale is not None:
-        out = op("Mul", [out, g.const(per_query_head(v_scale, num_kv_heads, group), np.float32)])
-    return out
+    return op("Gather", [flat, out_index], axis=0)
 
 
 def per_query_head(kv_scale: np.ndarray, num_kv_heads: int, group: int) -> np.ndarray:

@@ -24,6 +24,7 @@ from engine.core.engine_config import (LOGITS, LOGITS_INDICES, EngineConfig, eng
                                        kcache_out_name, vcache_name, vcache_out_name)
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
+from engine.plugins import native
 
 from .engine_dir import load_runnable_engine, verifying_files
 from .step_inputs import SeqChunk, check_step, make_step_inputs
@@ -105,6 +106,8 @@ def engine_session_options(config: EngineConfig, threads: int | None) -> ort.Ses
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if config.quantization.source_grid
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if config.plugins.paged_attention_plugin and config.build.backend == "onnxruntime":
+        native.register(so)
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads

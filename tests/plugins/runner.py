@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from engine.builder.graph import Graph
+from engine.builder.graph import Graph, uses_engine_kernels
+from engine.plugins import native
 
 ONNX_TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int64): onnx.TensorProto.INT64,
               np.dtype(np.bool_): onnx.TensorProto.BOOL, np.dtype(np.int8): onnx.TensorProto.INT8,
@@ -33,14 +34,17 @@ def build(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray]
 
 
 def run_op(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray],
-           level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
-    """Returns the op's output (a tuple when fn returns several values)."""
+           level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL, threads: int = 1):
+    """Returns the op's output (a tuple when fn returns several values). Graphs with the engine's own ops
+    (plugins/native.py) get its kernel library registered."""
     g, outputs = build(fn, feeds)
     model = g.model()
     onnx.checker.check_model(model, full_check=True)   # valid ONNX, standard ops' types and attributes included
     opts = ort.SessionOptions()
     opts.graph_optimization_level = level
-    opts.intra_op_num_threads = 1
+    opts.intra_op_num_threads = threads
+    if uses_engine_kernels(model):
+        native.register(opts)
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     results = session.run(outputs, feeds)
     return results[0] if len(results) == 1 else tuple(results)

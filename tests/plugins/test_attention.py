@@ -88,34 +88,52 @@ def reference(step: Step, num_heads, num_kv_heads, head_dim, scale, softcap, win
     return out.astype(np.float32)
 
 
-def attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, plugin):
+# how paged_attention lowers: the MatMul/Softmax reference, the opset-23 Attention plugin over the gathered context,
+# or the engine's kernel reading the pools in place (plugins/kernels/paged_attention.cc)
+LOWERINGS = {"reference": {"plugin": False}, "attention": {"plugin": True},
+             "kernel": {"plugin": True, "kernel": True}}
+
+
+def attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, lowering):
     def fn(g, q, k, v, kcache, vcache, slot_mapping, q_index, kv_slots, attn_mask, out_index):
         kc = write_kv(g, kcache, slot_mapping, k, name="/model/layers.0/attn/k_cache")
         vc = write_kv(g, vcache, slot_mapping, v, name="/model/layers.0/attn/v_cache")
         return paged_attention(g, q, kc, vc, q_index=q_index, kv_slots=kv_slots, mask=attn_mask,
                                out_index=out_index, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, scale=scale, softcap=softcap,
-                               name="/model/layers.0/attn/attention", plugin=plugin)
+                               name="/model/layers.0/attn/attention", **LOWERINGS[lowering])
     return fn
 
 
 STEPS = {
     "prefill": [(23, 23)],
+    "decode-one": [(45, 1)],   # the kernel splits its keys over two work items (module docstring of its math)
     "decode-batch": [(9, 1), (40, 1), (1, 1), (17, 1)],
     "mixed": [(30, 30), (61, 1), (37, 12), (5, 1), (16, 4)],   # prefill, decode, chunked prefills
 }
 
 
-@pytest.mark.parametrize("plugin", [False, True])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 2, 32)])
+@pytest.mark.parametrize("lowering", list(LOWERINGS))
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 2, 32), (10, 2, 12)])
 @pytest.mark.parametrize("steps", list(STEPS))
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_paged_attention(plugin, num_heads, num_kv_heads, head_dim, steps, softcap):
+def test_paged_attention(lowering, num_heads, num_kv_heads, head_dim, steps, softcap):
+    """(10, 2, 12): a group of 5 query heads (the kernel's runs of 3 and 2) and a head size the kernel's 8-lane
+    path does not take."""
     rng = np.random.default_rng(7)
     step = make_step(rng, STEPS[steps], num_kv_heads, head_dim, num_heads)
     scale = head_dim ** -0.5 * (2.0 if softcap else 1.0)   # larger scores so the softcap really bends them
-    y = run_op(attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, plugin), step.feeds)
+    y = run_op(attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, lowering), step.feeds)
     assert_close(y, reference(step, num_heads, num_kv_heads, head_dim, scale, softcap))
+
+
+@pytest.mark.parametrize("steps", ["decode-one", "mixed"])
+def test_kernel_on_two_threads_equals_one(steps):
+    """The kernel's work items run on ORT's intra-op threads: the result must not depend on how many."""
+    rng = np.random.default_rng(11)
+    step = make_step(rng, STEPS[steps], 3, 64, 9)
+    graph = attention_graph(9, 3, 64, 0.125, None, "kernel")
+    np.testing.assert_array_equal(run_op(graph, step.feeds, threads=2), run_op(graph, step.feeds, threads=1))
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (6, 3)])
@@ -124,11 +142,12 @@ def test_lowerings_agree_with_sliding_window_mask(num_heads, num_kv_heads):
     rng = np.random.default_rng(8)
     step = make_step(rng, STEPS["mixed"], num_kv_heads, 32, num_heads, window=8)
     expected = reference(step, num_heads, num_kv_heads, 32, 0.2, None, window=8)
-    ours = [run_op(attention_graph(num_heads, num_kv_heads, 32, 0.2, None, plugin), step.feeds)
-            for plugin in (False, True)]
-    assert_close(ours[0], expected)
-    assert_close(ours[1], expected)
+    ours = [run_op(attention_graph(num_heads, num_kv_heads, 32, 0.2, None, lowering), step.feeds)
+            for lowering in LOWERINGS]
+    for y in ours:
+        assert_close(y, expected)
     assert_close(ours[0], ours[1])
+    assert_close(ours[0], ours[2])
 
 
 def test_write_kv_updates_only_the_mapped_slots():
@@ -144,15 +163,17 @@ def test_write_kv_updates_only_the_mapped_slots():
 
 def test_node_names():
     step = make_step(np.random.default_rng(0), [(3, 1)], 1, 8, 2)
-    names = node_names(attention_graph(2, 1, 8, 0.3, None, True), step.feeds)
+    names = node_names(attention_graph(2, 1, 8, 0.3, None, "attention"), step.feeds)
     assert names == ["/model/layers.0/attn/k_cache/Unsqueeze", "/model/layers.0/attn/k_cache/ScatterND",
                      "/model/layers.0/attn/v_cache/Unsqueeze", "/model/layers.0/attn/v_cache/ScatterND",
                      "/model/layers.0/attn/attention/Gather", "/model/layers.0/attn/attention/Gather_1",
                      "/model/layers.0/attn/attention/Gather_2", "/model/layers.0/attn/attention/Attention",
                      "/model/layers.0/attn/attention/Reshape", "/model/layers.0/attn/attention/Gather_3"]
+    names = node_names(attention_graph(2, 1, 8, 0.3, None, "kernel"), step.feeds)
+    assert names[4:] == ["/model/layers.0/attn/attention/PagedAttention"]
 
 
 def test_rejects_bad_head_counts():
     step = make_step(np.random.default_rng(0), [(3, 1)], 2, 8, 3)
     with pytest.raises(EngineError, match="multiple"):
-        run_op(attention_graph(3, 2, 8, 0.3, None, True), step.feeds)
+        run_op(attention_graph(3, 2, 8, 0.3, None, "attention"), step.feeds)

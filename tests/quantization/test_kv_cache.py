@@ -79,17 +79,18 @@ POOLS = {"int8": (_int8_pool, lambda x, s: np.clip(np.rint(x / s), -128, 127) * 
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-@pytest.mark.parametrize("plugin", [False, True])
-def test_quantized_write_and_gather_match_numpy(plugin, kv):
+@pytest.mark.parametrize("lowering", ["reference", "attention", "kernel"])
+@pytest.mark.parametrize("steps", ["mixed", "decode-one"])
+def test_quantized_write_and_gather_match_numpy(lowering, steps, kv):
     """write_kv quantizes (round half to even, saturate; fp8 as ml_dtypes' e4m3), paged_attention attends over the
-    dequantized context: both lowerings against the float64 reference of tests/plugins over the same dequantized
+    dequantized context: the three lowerings against the float64 reference of tests/plugins over the same dequantized
     pools, on a step mixing prefills, chunked prefills and decodes over a quantized pool full of stale values."""
     from engine.plugins.attention import paged_attention, write_kv
     from tests.plugins.runner import assert_close, run_op
-    from tests.plugins.test_attention import STEPS, make_step, reference
+    from tests.plugins.test_attention import LOWERINGS, STEPS, make_step, reference
     heads, kv_heads, hd, scale = 8, 2, 32, 32 ** -0.5
     rng = np.random.default_rng(11)
-    step = make_step(rng, STEPS["mixed"], kv_heads, hd, heads)
+    step = make_step(rng, STEPS[steps], kv_heads, hd, heads)
     f = step.feeds
     ks, vs = (rng.uniform(0.01, 0.05, kv_heads * hd).astype(np.float32) for _ in range(2))
     make_pool, qdq = POOLS[kv]
@@ -102,7 +103,7 @@ def test_quantized_write_and_gather_match_numpy(plugin, kv):
         vc = write_kv(g, vcache, slot_mapping, v, name="/v_cache", scale=v_s, kv_dtype=kv, channels=kv_heads * hd)
         return paged_attention(g, q, kc, vc, q_index=q_index, kv_slots=kv_slots, mask=attn_mask, out_index=out_index,
                                num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, scale=scale, softcap=None,
-                               name="/attention", plugin=plugin, k_scale=ks, v_scale=vs, kv_dtype=kv)
+                               name="/attention", k_scale=ks, v_scale=vs, kv_dtype=kv, **LOWERINGS[lowering])
 
     ours = run_op(graph, feeds)
     dequantized = dataclasses.replace(step, feeds={**f, "k": qdq(f["k"], ks), "v": qdq(f["v"], vs),

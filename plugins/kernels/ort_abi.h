@@ -1,0 +1,111 @@
+// The slice of ONNX Runtime's C ABI the engine's kernels use (plugins/kernels/*.cc).
+//
+// ORT is reached through the function table OrtGetApiBase()->GetApi(1) returns: version 1 of the table and of
+// OrtCustomOp, whose layouts every later ORT keeps (the table only grows), so no ORT header is needed. The slot
+// numbers below are positions in that table.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace engine_kernels {
+
+struct OrtStatus;
+struct OrtValue;
+struct OrtKernelContext;
+struct OrtKernelInfo;
+struct OrtTypeShape;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+
+// Slots of the version-1 OrtApi function table used here.
+enum Slot : int {
+  kGetErrorMessage = 2,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeFloat = 85,
+  kKernelInfoGetAttributeInt64 = 86,
+  kKernelContextGetInput = 90,
+  kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
+  kReleaseTypeShape = 99,
+};
+
+// ONNXTensorElementDataType values.
+enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7, kBool = 9 };
+
+struct OrtApiBase {
+  const void* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+class Api {
+ public:
+  explicit Api(const void* table) : table_(static_cast<void* const*>(table)) {}
+
+  template <typename Fn, typename... Args>
+  void call(Slot slot, Args... args) const {
+    check(reinterpret_cast<Fn>(table_[slot])(args...));
+  }
+
+  void check(OrtStatus* status) const {
+    if (status == nullptr) return;
+    std::string message = reinterpret_cast<const char* (*)(const OrtStatus*)>(table_[kGetErrorMessage])(status);
+    reinterpret_cast<void (*)(OrtStatus*)>(table_[kReleaseStatus])(status);
+    throw std::runtime_error(message);
+  }
+
+  void* const* table() const { return table_; }
+
+ private:
+  void* const* table_;
+};
+
+struct Tensor {
+  void* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+Tensor describe(const Api& api, OrtValue* value) {
+  using GetData = OrtStatus* (*)(OrtValue*, void**);
+  using GetTypeShape = OrtStatus* (*)(const OrtValue*, OrtTypeShape**);
+  using GetCount = OrtStatus* (*)(const OrtTypeShape*, size_t*);
+  using GetDims = OrtStatus* (*)(const OrtTypeShape*, int64_t*, size_t);
+  Tensor t;
+  api.call<GetData>(kGetTensorMutableData, value, &t.data);
+  OrtTypeShape* info = nullptr;
+  api.call<GetTypeShape>(kGetTensorTypeAndShape, static_cast<const OrtValue*>(value), &info);
+  size_t rank = 0;
+  api.call<GetCount>(kGetDimensionsCount, static_cast<const OrtTypeShape*>(info), &rank);
+  t.shape.resize(rank);
+  api.call<GetDims>(kGetDimensions, static_cast<const OrtTypeShape*>(info), t.shape.data(), rank);
+  reinterpret_cast<void (*)(OrtTypeShape*)>(api.table()[kReleaseTypeShape])(info);
+  return t;
+}
+
+// OrtCustomOp: the version-1 fields, plus the two characteristic queries of version 8, which ORT's schema check
+// calls whatever the version (all inputs and outputs here are required: 0).
+struct CustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(CustomOp* op, const void* api, const OrtKernelInfo* info);
+  const char* (*GetName)(CustomOp* op);
+  const char* (*GetExecutionProviderType)(CustomOp* op);
+  int (*GetInputType)(CustomOp* op, size_t index);
+  size_t (*GetInputTypeCount)(CustomOp* op);
+  int (*GetOutputType)(CustomOp* op, size_t index);
+  size_t (*GetOutputTypeCount)(CustomOp* op);
+  void (*KernelCompute)(void* kernel, OrtKernelContext* context);
+  void (*KernelDestroy)(void* kernel);
+  int (*GetInputCharacteristic)(CustomOp* op, size_t index);
+  int (*GetOutputCharacteristic)(CustomOp* op, size_t index);
+};
+
+}  // namespace engine_kernels

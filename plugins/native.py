@@ -1,0 +1,93 @@
+"""The engine's own ONNX Runtime CPU kernels (plugins/kernels/): compiled on first use, cached, registered.
+
+    library() -> Path        plugins/kernels/*.cc ──g++ -O3 -march=native──▶ $ENGINE_CACHE_DIR/kernels/<digest>/
+                             libengine_kernels.so (default cache ~/.cache/engine); compiled once per source digest,
+                             compiler and CPU, into a temporary file renamed into place, so concurrent first uses
+                             and an interrupted compile never leave a broken library behind
+    register(options)        SessionOptions.register_custom_ops_library(library()): the ops of domain "engine"
+
+-march=native because the library is compiled on the machine that runs it, like the engine itself
+(builder/onnxruntime_backend.py: an engine is built on the kind of machine that runs it).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from engine.core.errors import EngineError
+
+DOMAIN = "engine"
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = sorted(KERNELS.glob("*.cc"))
+FLAGS = ["-O3", "-march=native", "-mtune=generic", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno"]
+COMPILE_TIMEOUT_S = 300
+
+
+def compiler() -> str:
+    """The C++ compiler: $CXX if set, else g++ or c++ on PATH."""
+    wanted = os.environ.get("CXX")
+    cxx = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        found = f"CXX={wanted!r} is not an executable" if wanted else "no C++ compiler (g++ or c++) is on PATH"
+        raise EngineError(f"the engine's attention kernel (--paged-attention-plugin enable, the default) is "
+                          f"compiled on first use and {found}: install g++ (Debian: apt-get install g++) or set "
+                          "CXX, or build with --paged-attention-plugin disable")
+    return cxx
+
+
+def _digest(cxx: str) -> str:
+    h = hashlib.sha256()
+    for path in sorted(KERNELS.iterdir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    h.update(" ".join([cxx, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native depends on them), so a cache shared across machines stays correct."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine") / "kernels"
+
+
+def library() -> Path:
+    cxx = compiler()
+    target = cache_dir() / _digest(cxx) / "libengine_kernels.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"compiling the engine's kernels with {cxx} took over {COMPILE_TIMEOUT_S} s; "
+                              "build with --paged-attention-plugin disable to do without them") from None
+        if done.returncode != 0:
+            raise EngineError(f"compiling the engine's kernels with {cxx} failed (exit {done.returncode}):\n"
+                              f"{done.stderr.strip()[-2000:]}\n"
+                              "build with --paged-attention-plugin disable to do without them")
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def register(options) -> None:
+    """Add the kernels' custom op domain to ONNX Runtime SessionOptions `options`."""
+    options.register_custom_ops_library(str(library()))
