@@ -107,9 +107,10 @@ class _Builder:
             w = self.t.pop_calibrated(weight_name, self.q.mode, self.q.group_size)
             return calibrated_linear(self.g, x, w, bias, name=name, weight_name=weight_name,
                                      plugin=self.p.weight_only_quant_matmul_plugin,
-                                     accuracy_level=self.q.accuracy_level or 0)
+                                     accuracy_level=self.q.accuracy_level or 0, kernel=self.p.engine_kernels_plugin)
         return linear(self.g, x, self.take(weight_name), bias, name=name, weight_name=weight_name,
-                      scheme=self.scheme, plugin=self.p.weight_only_quant_matmul_plugin)
+                      scheme=self.scheme, plugin=self.p.weight_only_quant_matmul_plugin,
+                      kernel=self.p.engine_kernels_plugin)
 
     def is_calibrated(self, weight_name: str) -> bool:
         return self.calibrated and self.t.has_calibrated(weight_name)
@@ -126,7 +127,7 @@ class _Builder:
             return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
                              m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin)
         op = g.scope(name)
-        plugin = p.weight_only_quant_matmul_plugin
+        plugin, kernel = p.weight_only_quant_matmul_plugin, p.engine_kernels_plugin
         if p.gemm_swiglu_plugin:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             gate, up = op("Split", [fused, g.const([m.intermediate_size // self.tp] * 2)], outputs=2, axis=-1)
@@ -135,15 +136,15 @@ class _Builder:
             half = fused.shape[0] // 2
             gate, up = (calibrated_linear(g, x, part, None, name=f"{name}/{what}_proj",
                                           weight_name=w + f"mlp.{what}.weight", plugin=plugin,
-                                          accuracy_level=self.q.accuracy_level or 0)
+                                          accuracy_level=self.q.accuracy_level or 0, kernel=kernel)
                         for what, part in (("gate", fused.rows(0, half)), ("up", fused.rows(half, 2 * half))))
         else:
             gate_up = self.take(w + "mlp.gate_up.weight")
             half = gate_up.shape[0] // 2
             gate = linear(g, x, gate_up[:half], None, name=f"{name}/gate_proj", weight_name=w + "mlp.gate.weight",
-                          scheme=self.scheme, plugin=plugin)
+                          scheme=self.scheme, plugin=plugin, kernel=kernel)
             up = linear(g, x, gate_up[half:], None, name=f"{name}/up_proj", weight_name=w + "mlp.up.weight",
-                        scheme=self.scheme, plugin=plugin)
+                        scheme=self.scheme, plugin=plugin, kernel=kernel)
             del gate_up
         hidden = op("Mul", [_activation(g, op, gate, m.activation, p.gemm_swiglu_plugin), up])
         return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
@@ -253,7 +254,7 @@ class _Builder:
             num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd,
             scale=m.attention_scale if m.attention_scale is not None else hd ** -0.5,
             softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin,
-            kernel=p.paged_attention_plugin, k_scale=ks, v_scale=vs, kv_dtype=self.kv_dtype)
+            kernel=p.engine_kernels_plugin, k_scale=ks, v_scale=vs, kv_dtype=self.kv_dtype)
         out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:
@@ -321,7 +322,7 @@ class _Builder:
         else:
             logits = linear(g, normed, self.take("lm_head.weight"), None, name="/lm_head",
                             weight_name="lm_head.weight", scheme=lm_scheme,
-                            plugin=self.p.weight_only_quant_matmul_plugin)
+                            plugin=self.p.weight_only_quant_matmul_plugin, kernel=self.p.engine_kernels_plugin)
         if m.final_logit_softcap:
             cap = g.const(m.final_logit_softcap, np.float32)
             logits = g.node("Mul", [g.node("Tanh", [g.node("Div", [logits, cap], name="/lm_head/softcap/Div")],

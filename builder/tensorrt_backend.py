@@ -173,7 +173,7 @@ def builder_settings(input_dims: dict[str, tuple[int | str, ...]], build: BuildC
 def tensorrt_plugins(plugins: PluginConfig) -> PluginConfig:
     """The TensorRT flavour of the graph (module docstring): reference lowerings for attention, RMSNorm, rotary and
     quantized matmuls; the gated-MLP switch as given."""
-    return dataclasses.replace(plugins, gpt_attention_plugin=False, paged_attention_plugin=False, rmsnorm_plugin=False,
+    return dataclasses.replace(plugins, gpt_attention_plugin=False, engine_kernels_plugin=False, rmsnorm_plugin=False,
                                rotary_plugin=False, weight_only_quant_matmul_plugin=False)
 
 

@@ -88,10 +88,10 @@ def build_command(
                                                        "timing cache here after the build."),
     gpt_attention_plugin: str = typer.Option("enable", "--gpt-attention-plugin", help=f"{SWITCH}: opset-23 "
                                              "Attention kernel, or the reference lowering in MatMul/Softmax."),
-    paged_attention_plugin: str = typer.Option("enable", "--paged-attention-plugin", help=f"{SWITCH}: the "
-                                               "engine's attention kernel reading the paged KV cache in place (a "
-                                               "C++ onnxruntime op compiled with g++ on first use), or gather the "
-                                               "context for --gpt-attention-plugin's lowering."),
+    engine_kernels_plugin: str = typer.Option("enable", "--engine-kernels-plugin", help=f"{SWITCH}: the "
+                                              "engine's own C++ onnxruntime ops, compiled with g++ on first use "
+                                              "(attention reading the paged KV cache in place; the offsets of kept "
+                                              "4-bit blocks in one op), or standard ONNX ops only."),
     rmsnorm_plugin: str = typer.Option("enable", "--rmsnorm-plugin", help=f"{SWITCH}: fused RMSNorm kernels, "
                                        "or the reference lowering."),
     rotary_plugin: str = typer.Option("enable", "--rotary-plugin", help=f"{SWITCH}: fused rotary kernel, "
@@ -128,7 +128,7 @@ def build_command(
         raise EngineError(f"--workers {workers} must be at least 1", usage=True)
     plugins = PluginConfig(
         gpt_attention_plugin=_switch("--gpt-attention-plugin", gpt_attention_plugin),
-        paged_attention_plugin=_switch("--paged-attention-plugin", paged_attention_plugin),
+        engine_kernels_plugin=_switch("--engine-kernels-plugin", engine_kernels_plugin),
         rmsnorm_plugin=_switch("--rmsnorm-plugin", rmsnorm_plugin),
         rotary_plugin=_switch("--rotary-plugin", rotary_plugin),
         gemm_swiglu_plugin=_switch("--gemm-swiglu-plugin", gemm_swiglu_plugin),

@@ -100,9 +100,10 @@ class PluginConfig:
     """TensorRT-LLM-style plugin switches: enabled picks the fused backend lowering, disabled the plain
     reference lowering in standard ONNX ops."""
     gpt_attention_plugin: bool = True   # opset-23 Attention over the gathered paged KV
-    # the engine's own attention kernel reading the paged KV pools in place (ORT custom op, plugins/native.py);
-    # it replaces the context gather and gpt_attention_plugin's lowering
-    paged_attention_plugin: bool = True
+    # the engine's own ORT ops (plugins/kernels/, compiled on first use by plugins/native.py): attention reading the
+    # paged KV pools in place (replacing the context gather and gpt_attention_plugin's lowering), and the offsets of
+    # kept Q4_1 blocks in one op (replacing Reshape + ReduceSum + MatMul + Add)
+    engine_kernels_plugin: bool = True
     rmsnorm_plugin: bool = True         # opset-23 RMSNormalization (ORT's fused Skip variant measured slower)
     rotary_plugin: bool = True          # opset-23 RotaryEmbedding
     gemm_swiglu_plugin: bool = True     # gated MLP as one gate+up MatMul

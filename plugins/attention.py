@@ -29,7 +29,7 @@ The scales are folded out of the context instead of dequantizing it: per channel
 step's T rows. DequantizeLinear per axis over the context made SmolLM2's int8-KV decode 1.9x slower than float KV
 (bench/NOTES.md entry 15). Both lowerings read the same cast K/V and scaled q, so the reference stays equivalent.
 
-Lowerings: `kernel=True` (the default build, --paged-attention-plugin) is one node of the engine's own op
+Lowerings: `kernel=True` (the default build, --engine-kernels-plugin) is one node of the engine's own op
 (domain "engine", plugins/kernels/paged_attention.cc, compiled on first use by plugins/native.py) taking q, the
 pools, q_index, kv_slots, mask and out_index as they are: it reads each visible pool row in place, for the T packed
 tokens only, with the quantized pools' values widened as it reads them (fp8: a 256-entry table), so none of the

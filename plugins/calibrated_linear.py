@@ -70,7 +70,7 @@ def _quantize_per_token(g: Graph, op, x: str) -> tuple[str, str, str, str]:
 
 def calibrated_linear(g: Graph, x: str, w: CalibratedWeight, bias: np.ndarray | None, *, name: str,
                       weight_name: str, bias_name: str | None = None, plugin: bool = True,
-                      accuracy_level: int = 4, shared: bool = False) -> str:
+                      accuracy_level: int = 4, shared: bool = False, kernel: bool = False) -> str:
     """x (* prequant) @ dequantize(w)^T (+ bias), lowered as the module docstring draws. `shared`: the table is
     already placed by calibrated_gather (a tied embedding), so its initializers are referenced, not added again."""
     stem = weight_name[: -len(".weight")]
@@ -81,7 +81,7 @@ def calibrated_linear(g: Graph, x: str, w: CalibratedWeight, bias: np.ndarray | 
         x = op("Mul", [x, pre if shared else g.weight(pre, w.prequant.astype(np.float32))])
     if w.mode == "int4_awq":
         return quantized_linear(g, x, _int4(w), bias, name=name, weight_name=weight_name, bias_name=bias_name,
-                                accuracy_level=accuracy_level, plugin=plugin, shared=shared)
+                                accuracy_level=accuracy_level, plugin=plugin, shared=shared, kernel=kernel)
     if shared:
         values, scales = weight_name, f"{stem}.weights_scaling_factor"
         zero = f"{stem}.weights_zero_point" if w.mode == "int8_sq" else None

@@ -17,6 +17,8 @@ Weights kept on their checkpoint's 4-bit grid carry a float offset per block (qu
 added by both lowerings as a second product over the block sums of x:
 
     x ─Reshape [T, K/g, g]─▶ ReduceSum(-1) ─▶ [T, K/g] ─MatMul(offsets^T [K/g, N])─▶ Add to y
+    kernel=True:   (x, y, offsets^T) ─engine BlockOffsets─▶ y + the same product, one node instead of four
+                   (plugins/kernels/block_offsets.cc)
 
 and MatMulNBits reads their float16 scales through a Cast, which ORT folds into a float32 initializer when the
 session loads (the engine stores 2 bytes a block, not 4).
@@ -33,7 +35,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from engine.builder.graph import MS_DOMAIN, Graph
+from engine.builder.graph import ENGINE_DOMAIN, MS_DOMAIN, Graph
 from engine.core.errors import EngineError
 from engine.quantization.weight_only import QuantizedWeight, WeightOnlyScheme, quantize, signed_values
 
@@ -53,10 +55,12 @@ def scale_name_for(weight_name: str) -> str:
 
 
 def linear(g: Graph, x: str, weight: np.ndarray, bias: np.ndarray | None, *, name: str, weight_name: str,
-           bias_name: str | None = None, scheme: WeightOnlyScheme | None = None, plugin: bool = True) -> str:
+           bias_name: str | None = None, scheme: WeightOnlyScheme | None = None, plugin: bool = True,
+           kernel: bool = False) -> str:
     """MatMul with the transposed `weight` as initializer `weight_name`; plus Add of `bias` as initializer
     `bias_name` (default: `weight_name` with ".weight" replaced by ".bias"). With `scheme`, the weight is
-    quantized and lowered as the module docstring draws (`plugin` picks MatMulNBits or the reference)."""
+    quantized and lowered as the module docstring draws (`plugin` picks MatMulNBits or the reference; `kernel` the
+    engine's op for the offsets of kept blocks)."""
     if weight.ndim != 2:
         raise EngineError(f"{weight_name} has shape {tuple(weight.shape)}; a linear weight must be 2-D "
                           "[out_features, in_features]: re-run `engine convert`")
@@ -66,7 +70,7 @@ def linear(g: Graph, x: str, weight: np.ndarray, bias: np.ndarray | None, *, nam
     if scheme is not None:
         q = quantize(np.asarray(weight, dtype=np.float32), scheme, name=weight_name)
         return quantized_linear(g, x, q, bias, name=name, weight_name=weight_name, bias_name=bias_name,
-                                accuracy_level=scheme.accuracy_level, plugin=plugin)
+                                accuracy_level=scheme.accuracy_level, plugin=plugin, kernel=kernel)
     op = g.scope(name)
     y = op("MatMul", [x, g.weight(weight_name, np.asarray(weight, dtype=np.float32).T)])
     return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
@@ -74,7 +78,7 @@ def linear(g: Graph, x: str, weight: np.ndarray, bias: np.ndarray | None, *, nam
 
 def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | None, *, name: str,
                      weight_name: str, bias_name: str | None = None, accuracy_level: int = 0,
-                     plugin: bool = True, shared: bool = False) -> str:
+                     plugin: bool = True, shared: bool = False, kernel: bool = False) -> str:
     """x @ dequantize(q)^T (+ bias). `shared`: the packed table and scales are already initializers of `g`
     (placed by quantized_gather), so they are referenced, not added again."""
     n, k = q.shape
@@ -93,10 +97,13 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
         y = op("MatMul", [x, w_t])
     if q.offsets is not None:
         assert not shared, "a table read by GatherBlockQuantized has no offsets"
-        sums = op("ReduceSum", [op("Reshape", [x, g.const([-1, k // q.group_size, q.group_size])]), g.const([-1])],
-                  keepdims=0)
         offsets = g.weight(f"{_stem(weight_name)}.weights_offset", np.ascontiguousarray(q.offsets.T))
-        y = op("Add", [y, op("MatMul", [sums, offsets])])
+        if kernel:
+            y = op("BlockOffsets", [x, y, offsets], domain=ENGINE_DOMAIN, group_size=q.group_size)
+        else:
+            sums = op("ReduceSum", [op("Reshape", [x, g.const([-1, k // q.group_size, q.group_size])]),
+                                    g.const([-1])], keepdims=0)
+            y = op("Add", [y, op("MatMul", [sums, offsets])])
     return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
 
 

@@ -34,9 +34,9 @@ def compiler() -> str:
     cxx = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++")
     if not cxx:
         found = f"CXX={wanted!r} is not an executable" if wanted else "no C++ compiler (g++ or c++) is on PATH"
-        raise EngineError(f"the engine's attention kernel (--paged-attention-plugin enable, the default) is "
+        raise EngineError(f"the engine's own kernels (--engine-kernels-plugin enable, the default) are "
                           f"compiled on first use and {found}: install g++ (Debian: apt-get install g++) or set "
-                          "CXX, or build with --paged-attention-plugin disable")
+                          "CXX, or build with --engine-kernels-plugin disable")
     return cxx
 
 
@@ -77,11 +77,11 @@ def library() -> Path:
                                   timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise EngineError(f"compiling the engine's kernels with {cxx} took over {COMPILE_TIMEOUT_S} s; "
-                              "build with --paged-attention-plugin disable to do without them") from None
+                              "build with --engine-kernels-plugin disable to do without them") from None
         if done.returncode != 0:
             raise EngineError(f"compiling the engine's kernels with {cxx} failed (exit {done.returncode}):\n"
                               f"{done.stderr.strip()[-2000:]}\n"
-                              "build with --paged-attention-plugin disable to do without them")
+                              "build with --engine-kernels-plugin disable to do without them")
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)

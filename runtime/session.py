@@ -106,7 +106,7 @@ def engine_session_options(config: EngineConfig, threads: int | None) -> ort.Ses
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if config.quantization.source_grid
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if config.plugins.paged_attention_plugin and config.build.backend == "onnxruntime":
+    if config.plugins.engine_kernels_plugin and config.build.backend == "onnxruntime":
         native.register(so)
     so.log_severity_level = 3
     if threads:

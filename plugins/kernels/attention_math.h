@@ -22,15 +22,14 @@
 
 namespace engine_kernels {
 
-// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal. Codes 0x7f and 0xff are NaN,
-// which the engine's saturating encoder never writes.
+// e4m3fn: sign, 4 exponent bits e (bias 7), 3 mantissa bits m: (8 + m) 2^(e - 10), or m 2^-9 when e = 0. Codes
+// 0x7f and 0xff are NaN in e4m3fn; the engine's saturating encoder never writes them, and they read as +-480 here.
 struct E4m3Table {
   float value[256];
   E4m3Table() {
     for (int c = 0; c < 256; ++c) {
       int e = (c >> 3) & 15, m = c & 7;
-      float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
-      if ((c & 127) == 127) v = NAN;
+      float v = std::ldexp(static_cast<float>(e > 0 ? 8 + m : m), std::max(e, 1) - 10);
       value[c] = (c & 128) ? -v : v;
     }
   }
@@ -62,9 +61,18 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// e4m3 codes as E4m3Table computes them, in registers: (8 + m or m) times the power of two 2^(max(e, 1) - 10),
+// built from its exponent bits (no subnormal float is formed, so a flush-to-zero mode cannot change the result).
 inline __m256 load8(const uint8_t* p) {
-  __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_i32gather_ps(kE4m3.value, codes, 4);
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i e = _mm256_and_si256(_mm256_srli_epi32(c, 3), _mm256_set1_epi32(15));
+  const __m256i normal = _mm256_and_si256(_mm256_cmpgt_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(8));
+  const __m256i mant = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(7)), normal);
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(1)),
+                                                          _mm256_set1_epi32(127 - 10)), 23);
+  const __m256 magnitude = _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_castsi256_ps(pow2));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
 }
 
 inline float hsum(__m256 v) {

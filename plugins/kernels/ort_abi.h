@@ -21,7 +21,7 @@ struct OrtTypeShape;
 struct OrtSessionOptions;
 struct OrtCustomOpDomain;
 
-// Slots of the version-1 OrtApi function table used here.
+// Slots of the OrtApi function table used here (version 1 unless noted).
 enum Slot : int {
   kGetErrorMessage = 2,
   kCreateCustomOpDomain = 26,
@@ -37,6 +37,7 @@ enum Slot : int {
   kKernelContextGetOutput = 91,
   kReleaseStatus = 93,
   kReleaseTypeShape = 99,
+  kKernelContextParallelFor = 274,  // since version 17 (ORT 1.17)
 };
 
 // ONNXTensorElementDataType values.
@@ -74,7 +75,7 @@ struct Tensor {
   std::vector<int64_t> shape;
 };
 
-Tensor describe(const Api& api, OrtValue* value) {
+inline Tensor describe(const Api& api, OrtValue* value) {
   using GetData = OrtStatus* (*)(OrtValue*, void**);
   using GetTypeShape = OrtStatus* (*)(const OrtValue*, OrtTypeShape**);
   using GetCount = OrtStatus* (*)(const OrtTypeShape*, size_t*);
@@ -107,5 +108,51 @@ struct CustomOp {
   int (*GetInputCharacteristic)(CustomOp* op, size_t index);
   int (*GetOutputCharacteristic)(CustomOp* op, size_t index);
 };
+
+// The fields every op here shares: version 1, the CPU provider, required inputs and outputs.
+inline CustomOp custom_op_base() {
+  CustomOp op{};
+  op.version = 1;
+  op.GetExecutionProviderType = [](CustomOp*) -> const char* { return nullptr; };
+  op.GetInputCharacteristic = [](CustomOp*, size_t) { return 0; };
+  op.GetOutputCharacteristic = [](CustomOp*, size_t) { return 0; };
+  return op;
+}
+
+// KernelContext_ParallelFor of the table GetApi(17) returns, set by RegisterCustomOps (null before ORT 1.17).
+inline void* g_parallel_for = nullptr;
+
+// fn(data, i) for i < items on ORT's intra-op threads, or one after the other without ParallelFor.
+inline void parallel_for(const Api& api, OrtKernelContext* context, size_t items, void (*fn)(void*, size_t),
+                         void* data) {
+  using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
+  if (g_parallel_for)
+    api.check(reinterpret_cast<ParallelFor>(g_parallel_for)(context, fn, items, 0, data));
+  else
+    for (size_t i = 0; i < items; ++i) fn(data, i);
+}
+
+inline std::vector<Tensor> inputs(const Api& api, OrtKernelContext* context, size_t count) {
+  using GetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);
+  std::vector<Tensor> in(count);
+  for (size_t i = 0; i < count; ++i) {
+    const OrtValue* value = nullptr;
+    api.call<GetInput>(kKernelContextGetInput, static_cast<const OrtKernelContext*>(context), i, &value);
+    in[i] = describe(api, const_cast<OrtValue*>(value));
+  }
+  return in;
+}
+
+inline float* float_output(const Api& api, OrtKernelContext* context, size_t index,
+                           const std::vector<int64_t>& shape) {
+  using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
+  OrtValue* value = nullptr;
+  api.call<GetOutput>(kKernelContextGetOutput, context, index, shape.data(), shape.size(), &value);
+  return static_cast<float*>(describe(api, value).data);
+}
+
+// The ops of each kernel file, registered by register.cc.
+std::vector<CustomOp*> paged_attention_ops();
+std::vector<CustomOp*> block_offsets_ops();
 
 }  // namespace engine_kernels

@@ -16,24 +16,18 @@
 //   out          float [T, heads*hd]          softmax(scale * q.k, softcapped) . v, GQA: head h reads h / group
 // Attributes: num_heads, num_kv_heads (int), scale, softcap (float, 0 = none). Only the T selected rows are
 // computed (padded rows of the plain lowering are never selected); a row that sees no key gets zeros (a real token
-// always sees itself). The math is attention_math.h; ORT's C ABI, ort_abi.h.
+// always sees itself). The math is attention_math.h; ORT's C ABI, ort_abi.h; registration, register.cc.
 #include "attention_math.h"
 #include "ort_abi.h"
 
 namespace engine_kernels {
 namespace {
 
-// KernelContext_ParallelFor (ORT >= 1.17): slot 274 of the table GetApi(17) returns, null before 1.17; without
-// it the items run one after the other.
-constexpr int kKernelContextParallelFor = 274;
-void* g_parallel_for = nullptr;
-
 struct Kernel {
   Api api;
   int64_t heads, kv_heads;
   float scale, softcap;
   int pool_type;
-  void* parallel_for;
 };
 
 void check_shape(bool ok, const std::string& what) {
@@ -65,14 +59,7 @@ void run_item(void* opaque, size_t i) {
 
 template <typename P>
 void compute(const Kernel& k, OrtKernelContext* context) {
-  using GetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);
-  using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
-  Tensor in[7];
-  for (size_t i = 0; i < 7; ++i) {
-    const OrtValue* value = nullptr;
-    k.api.call<GetInput>(kKernelContextGetInput, static_cast<const OrtKernelContext*>(context), i, &value);
-    in[i] = describe(k.api, const_cast<OrtValue*>(value));
-  }
+  const std::vector<Tensor> in = inputs(k.api, context, 7);
   const auto &q = in[0], &kc = in[1], &vc = in[2], &q_index = in[3], &kv_slots = in[4], &mask = in[5],
              &out_index = in[6];
   check_shape(q.shape.size() == 2 && q.shape[1] % k.heads == 0, "q must be [T, num_heads * head_dim]");
@@ -93,9 +80,8 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     check_shape(rows[t] >= 0 && rows[t] < s.rows * s.qmax && queries[rows[t]] >= 0 && queries[rows[t]] < s.tokens,
                 "out_index or q_index holds an index outside the step");
 
-  OrtValue* out_value = nullptr;
-  const int64_t out_shape[2] = {s.tokens, s.heads * s.hd};
-  k.api.call<GetOutput>(kKernelContextGetOutput, context, size_t{0}, out_shape, size_t{2}, &out_value);
+  const std::vector<int64_t> out_shape{s.tokens, s.heads * s.hd};
+  float* out = float_output(k.api, context, 0, out_shape);
   Job<P> job{s, k.scale, k.softcap, static_cast<const float*>(q.data), static_cast<const P*>(kc.data),
              static_cast<const P*>(vc.data), slots, rows, queries, static_cast<const bool*>(mask.data), 1, {}};
   // Split each token's keys in two when a step has fewer (token, KV head) items than ORT's two-thread pool can
@@ -104,13 +90,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   job.parts = pairs < 4 ? 2 : 1;
   job.partials.resize(static_cast<size_t>(pairs * job.parts * partial_size(s)));
   const size_t items = static_cast<size_t>(pairs * job.parts);
-  if (k.parallel_for) {
-    using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
-    k.api.check(reinterpret_cast<ParallelFor>(k.parallel_for)(context, run_item<P>, items, 0, &job));
-  } else {
-    for (size_t i = 0; i < items; ++i) run_item<P>(&job, i);
-  }
-  auto* out = static_cast<float*>(describe(k.api, out_value).data);
+  parallel_for(k.api, context, items, run_item<P>, &job);
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t g = 0; g < s.kv_heads; ++g)
       combine(s, job.partials.data() + (t * s.kv_heads + g) * job.parts * partial_size(s), job.parts,
@@ -126,7 +106,7 @@ void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) 
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
   using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
   Api api(table);
-  auto* kernel = new Kernel{api, 0, 0, 0.0f, 0.0f, static_cast<PagedAttentionOp*>(op)->pool_type, g_parallel_for};
+  auto* kernel = new Kernel{api, 0, 0, 0.0f, 0.0f, static_cast<PagedAttentionOp*>(op)->pool_type};
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_heads", &kernel->heads);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_kv_heads", &kernel->kv_heads);
   api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "scale", &kernel->scale);
@@ -146,11 +126,9 @@ void kernel_compute(void* opaque, OrtKernelContext* context) {
 }
 
 PagedAttentionOp make_op(const char* name, int pool_type) {
-  PagedAttentionOp op{};
-  op.version = 1;
+  PagedAttentionOp op{custom_op_base(), name, pool_type};
   op.CreateKernel = create_kernel;
   op.GetName = [](CustomOp* o) { return static_cast<PagedAttentionOp*>(o)->name; };
-  op.GetExecutionProviderType = [](CustomOp*) -> const char* { return nullptr; };  // the CPU provider
   op.GetInputType = [](CustomOp* o, size_t i) {
     static const int types[7] = {kFloat, 0, 0, kInt64, kInt64, kBool, kInt64};
     return i == 1 || i == 2 ? static_cast<PagedAttentionOp*>(o)->pool_type : types[i];
@@ -160,10 +138,6 @@ PagedAttentionOp make_op(const char* name, int pool_type) {
   op.GetOutputTypeCount = [](CustomOp*) { return size_t{1}; };
   op.KernelCompute = kernel_compute;
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  op.GetInputCharacteristic = [](CustomOp*, size_t) { return 0; };
-  op.GetOutputCharacteristic = [](CustomOp*, size_t) { return 0; };
-  op.name = name;
-  op.pool_type = pool_type;
   return op;
 }
 
@@ -171,26 +145,7 @@ PagedAttentionOp kOps[3] = {make_op("PagedAttention", kFloat), make_op("PagedAtt
                             make_op("PagedAttentionFp8", kUint8)};
 
 }  // namespace
+
+std::vector<CustomOp*> paged_attention_ops() { return {&kOps[0], &kOps[1], &kOps[2]}; }
+
 }  // namespace engine_kernels
-
-using engine_kernels::CustomOp;
-using engine_kernels::OrtApiBase;
-using engine_kernels::OrtCustomOpDomain;
-using engine_kernels::OrtSessionOptions;
-using engine_kernels::OrtStatus;
-
-extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                              const OrtApiBase* base) {
-  using CreateDomain = OrtStatus* (*)(const char*, OrtCustomOpDomain**);
-  using AddOp = OrtStatus* (*)(OrtCustomOpDomain*, CustomOp*);
-  using AddDomain = OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*);
-  auto* t = static_cast<void* const*>(base->GetApi(1));
-  if (auto* v17 = static_cast<void* const*>(base->GetApi(17)))
-    engine_kernels::g_parallel_for = v17[engine_kernels::kKernelContextParallelFor];
-  // Each session's domain must outlive it: domains are created per registration and never released.
-  OrtCustomOpDomain* domain = nullptr;
-  if (OrtStatus* st = reinterpret_cast<CreateDomain>(t[engine_kernels::kCreateCustomOpDomain])("engine", &domain)) return st;
-  for (auto& op : engine_kernels::kOps)
-    if (OrtStatus* st = reinterpret_cast<AddOp>(t[engine_kernels::kCustomOpDomainAdd])(domain, &op)) return st;
-  return reinterpret_cast<AddDomain>(t[engine_kernels::kAddCustomOpDomain])(options, domain);
-}

@@ -21,7 +21,7 @@ from tests.tiny_models import TINY_CONFIGS, make_tiny_model
 # Small limits with several blocks per sequence (4 tokens a block), so paging is exercised.
 TEST_BUILD = BuildConfig(max_batch_size=8, max_input_len=64, max_seq_len=128, max_num_tokens=256, tokens_per_block=4)
 ALL_PLUGINS = PluginConfig()
-NO_PLUGINS = PluginConfig(gpt_attention_plugin=False, paged_attention_plugin=False, rmsnorm_plugin=False,
+NO_PLUGINS = PluginConfig(gpt_attention_plugin=False, engine_kernels_plugin=False, rmsnorm_plugin=False,
                           rotary_plugin=False, gemm_swiglu_plugin=False)
 
 

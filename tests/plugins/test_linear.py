@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from engine.core.errors import EngineError
-from engine.plugins.linear import bias_name_for, linear
+from engine.plugins.linear import bias_name_for, linear, quantized_linear
+from engine.quantization.weight_only import block_grid
 
 from .runner import assert_close, build, node_names, run_op
 
@@ -45,3 +46,22 @@ def test_linear_rejects_bad_shapes():
     with pytest.raises(EngineError, match="bias"):
         build(lambda g, x: linear(g, x, np.zeros((3, 4), np.float32), np.zeros(4, np.float32), name="/p",
                                   weight_name="w"), {"x": np.zeros((1, 4), np.float32)})
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["onnx", "kernel"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_kept_4_bit_blocks_with_offsets_match_numpy(kernel, tokens):
+    """A weight on GGUF Q4_1's grid (per block of 32: d * q + m) is kept exactly; its offsets m are added by
+    Reshape + ReduceSum + MatMul + Add, or by the engine's BlockOffsets op (plugins/kernels/block_offsets.cc)."""
+    rng = np.random.default_rng(3)
+    d = rng.uniform(0.001, 0.01, (2100, 3, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.05, 0.0, (2100, 3, 1)).astype(np.float16).astype(np.float32)
+    codes = rng.integers(0, 16, (2100, 3, 32))
+    codes[..., 0], codes[..., 1] = 0, 15   # every block spans the grid, as GGUF's min/max quantizer makes it
+    w = (codes * d + m).reshape(2100, 96).astype(np.float32)
+    q = block_grid(w, 32)
+    assert q is not None and q.offsets is not None
+    x = rng.standard_normal((tokens, 96)).astype(np.float32)
+    y = run_op(lambda g, xs: quantized_linear(g, xs, q, None, name="/proj", weight_name="proj.weight",
+                                              accuracy_level=0, kernel=kernel), {"x": x}, threads=2)
+    assert_close(y, x @ w.T, rtol=1e-4, atol=1e-4)

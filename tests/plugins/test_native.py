@@ -25,7 +25,7 @@ def test_a_changed_compiler_is_another_digest(tmp_path, monkeypatch):
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
-    with pytest.raises(EngineError, match="CXX='no-such-compiler' is not an executable.*--paged-attention-plugin "
+    with pytest.raises(EngineError, match="CXX='no-such-compiler' is not an executable.*--engine-kernels-plugin "
                                           "disable"):
         native.library()
 

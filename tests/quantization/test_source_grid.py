@@ -3,6 +3,8 @@ GGUF Q4_1 file converts to): the blocks are kept exactly (quantization/weight_on
 computes what the float engine does; any other checkpoint is quantized by RTN / AWQ as before."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -73,18 +75,20 @@ def test_block_grid_is_exact_and_refuses_other_weights():
 
 
 @pytest.mark.parametrize("mode", ["int4_wo", "int4_awq"])
-@pytest.mark.parametrize("plugins", [True, False], ids=["matmulnbits", "reference"])
+@pytest.mark.parametrize("plugins", ["kernels", "matmulnbits", "reference"])
 def test_int4_engine_of_a_q4_1_checkpoint_equals_the_float_engine(grid_checkpoint, tmp_path, plugins, mode):
+    """kernels: MatMulNBits + the engine's BlockOffsets op; matmulnbits: the offsets in standard ops."""
     float_dir, int4_dir = tmp_path / "float32", tmp_path / "int4"
     build_engine(grid_checkpoint, float_dir, TEST_BUILD, ALL_PLUGINS)
-    plugin_config = ALL_PLUGINS if plugins else NO_PLUGINS
+    plugin_config = {"kernels": ALL_PLUGINS, "reference": NO_PLUGINS,
+                     "matmulnbits": dataclasses.replace(ALL_PLUGINS, engine_kernels_plugin=False)}[plugins]
     # accuracy level 0: float compute, so the only difference left would be the weights
     build_engine(grid_checkpoint, int4_dir, TEST_BUILD, plugin_config, accuracy=NO_REPORT,
                  quant=QuantConfig(mode=mode, accuracy_level=0), calibration=TINY_CALIBRATION)
     config = load_engine_config(int4_dir)
     assert config.quantization.source_grid and config.quantization.group_size == 32
     assert "GGUF Q4_1" in config.precision["weights"]
-    if plugins:  # the blocks' scales are stored as the float16 values they are, widened when the engine loads
+    if plugins != "reference":  # the blocks' scales are stored as the float16 values they are, widened when the engine loads
         scales = {t.name: t.data_type for t in onnx_initializers(int4_dir)}["layers.0.mlp.down.weights_scaling_factor"]
         assert scales == onnx.TensorProto.FLOAT16
     if mode == "int4_awq":  # nothing left to calibrate: ModelOpt does not run
