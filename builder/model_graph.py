@@ -243,10 +243,12 @@ class _Builder:
             k_scale = g.weight(w + "attention.kv_cache.k_scaling_factor", ks)
             v_scale = g.weight(w + "attention.kv_cache.v_scaling_factor", vs)
         kc = self.cache_output(write_kv(g, ec.kcache_name(i), ec.SLOT_MAPPING, k, name=f"{pre}/attn/k_cache",
-                                        scale=k_scale, kv_dtype=self.kv_dtype, channels=kv_size),
+                                        scale=k_scale, kv_dtype=self.kv_dtype, channels=kv_size,
+                                        kernel=p.engine_kernels_plugin),
                                ec.kcache_out_name(i), kv_size)
         vc = self.cache_output(write_kv(g, ec.vcache_name(i), ec.SLOT_MAPPING, v, name=f"{pre}/attn/v_cache",
-                                        scale=v_scale, kv_dtype=self.kv_dtype, channels=kv_size),
+                                        scale=v_scale, kv_dtype=self.kv_dtype, channels=kv_size,
+                                        kernel=p.engine_kernels_plugin),
                                ec.vcache_out_name(i), kv_size)
         attn = paged_attention(
             g, q, kc, vc, q_index=ec.Q_INDEX, kv_slots=ec.KV_SLOTS,

@@ -56,17 +56,17 @@ KERNELS = {"float32": "PagedAttention", "int8": "PagedAttentionInt8", "fp8": "Pa
 
 
 def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, scale: str | None = None,
-             kv_dtype: str = "float32", channels: int = 0) -> str:
+             kv_dtype: str = "float32", channels: int = 0, kernel: bool = False) -> str:
     """ScatterND rows new [T, kv_size] into cache [num_slots, kv_size] at slot_mapping [T]; returns the updated
     cache. The runtime binds the result to the buffer of `cache`, so ORT writes in place (DESIGN.md). A quantized
     pool (`scale` float32 [kv_size] = `channels`) first quantizes the rows: int8 round(new / scale) saturated, fp8
-    the e4m3 codes of new / scale (plugins/e4m3.py)."""
+    the e4m3 codes of new / scale (plugins/e4m3.py; `kernel`: in the engine's op)."""
     op = g.scope(name)
     index = op("Unsqueeze", [slot_mapping, g.const([1])])   # [T, 1]: one index tuple per row
     if kv_dtype == "int8":
         new = op("QuantizeLinear", [new, scale], axis=-1, output_dtype=TensorProto.INT8)
     elif kv_dtype == "fp8":
-        new = e4m3.encode(g, op, new, scale, channels)
+        new = e4m3.encode(g, op, new, scale, channels, kernel=kernel)
     return op("ScatterND", [cache, index, new])
 
 

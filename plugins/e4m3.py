@@ -9,6 +9,9 @@ hold the codes as uint8 and the graph converts with arithmetic and a table:
             ─Cast─▶ uint8 [T, C]        (e is the binade; e = -6 also covers the subnormals and 0)
     decode  codes uint8 ─Cast int32─▶ Gather(VALUES [256]) ─▶ the e4m3 value as float32 (unscaled)
 
+With the engine's kernels (--engine-kernels-plugin) encode is one op, engine E4m3Encode
+(plugins/kernels/e4m3_encode.cc), and the attention kernel decodes as it reads; the same codes either way.
+
 A normal v = (1 + m/8) 2^e has code (e + 7) * 8 + m = 8e + 56 + (|v| 2^-e - 1) * 8, which is the formula; a
 subnormal m/8 2^-6 has code m = |v| 2^9, the same formula at e = -6. Every step is exact in float32 (|v| 2^(3-e) is
 an integer below 16), and the 1e-3 keeps floor(log2) off its float rounding at exact powers of two (the largest
@@ -22,14 +25,16 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from engine.builder.graph import Graph, Scope
+from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 
 # the value of every code; the two NaN codes (0x7F, 0xFF) are never written (QuantizeLinear saturates) and read as 0
 VALUES = np.nan_to_num(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32), nan=0.0)
 
 
-def encode(g: Graph, op: Scope, x: str, scale: str, channels: int) -> str:
+def encode(g: Graph, op: Scope, x: str, scale: str, channels: int, kernel: bool = False) -> str:
     """uint8 codes [T, C] of x / scale rounded to e4m3 (scale float32 [C], per channel)."""
+    if kernel:
+        return op("E4m3Encode", [x, scale], domain=ENGINE_DOMAIN)
     zero = g.const(np.zeros(channels), ml_dtypes.float8_e4m3fn)   # sets QuantizeLinear's output type
     v = op("Cast", [op("QuantizeLinear", [x, scale, zero], axis=-1)], to=TensorProto.FLOAT)
     a = op("Abs", [v])

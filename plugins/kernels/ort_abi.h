@@ -154,5 +154,6 @@ inline float* float_output(const Api& api, OrtKernelContext* context, size_t ind
 // The ops of each kernel file, registered by register.cc.
 std::vector<CustomOp*> paged_attention_ops();
 std::vector<CustomOp*> block_offsets_ops();
+std::vector<CustomOp*> e4m3_encode_ops();
 
 }  // namespace engine_kernels

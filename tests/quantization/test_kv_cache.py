@@ -99,8 +99,11 @@ def test_quantized_write_and_gather_match_numpy(lowering, steps, kv):
     feeds = {**f, "ks": ks, "vs": vs}
 
     def graph(g, q, k, v, kcache, vcache, slot_mapping, q_index, kv_slots, attn_mask, out_index, k_s, v_s):
-        kc = write_kv(g, kcache, slot_mapping, k, name="/k_cache", scale=k_s, kv_dtype=kv, channels=kv_heads * hd)
-        vc = write_kv(g, vcache, slot_mapping, v, name="/v_cache", scale=v_s, kv_dtype=kv, channels=kv_heads * hd)
+        kernel = LOWERINGS[lowering].get("kernel", False)
+        kc = write_kv(g, kcache, slot_mapping, k, name="/k_cache", scale=k_s, kv_dtype=kv, channels=kv_heads * hd,
+                      kernel=kernel)
+        vc = write_kv(g, vcache, slot_mapping, v, name="/v_cache", scale=v_s, kv_dtype=kv, channels=kv_heads * hd,
+                      kernel=kernel)
         return paged_attention(g, q, kc, vc, q_index=q_index, kv_slots=kv_slots, mask=attn_mask, out_index=out_index,
                                num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, scale=scale, softcap=None,
                                name="/attention", k_scale=ks, v_scale=vs, kv_dtype=kv, **LOWERINGS[lowering])
@@ -111,7 +114,8 @@ def test_quantized_write_and_gather_match_numpy(lowering, steps, kv):
     assert_close(ours, reference(dequantized, heads, kv_heads, hd, scale, None))
 
 
-def test_e4m3_codes_are_ml_dtypes_codes():
+@pytest.mark.parametrize("kernel", [False, True], ids=["onnx", "kernel"])
+def test_e4m3_codes_are_ml_dtypes_codes(kernel):
     """plugins/e4m3.encode gives every e4m3 value (at several scales) and random inputs over 8 decades the code
     ml_dtypes gives (saturated at 448; a negative zero may come out as +0), and decode reads them back."""
     from engine.plugins.e4m3 import decode, encode
@@ -124,7 +128,7 @@ def test_e4m3_codes_are_ml_dtypes_codes():
                         * rng.choice([1e-4, 1e-2, 1.0, 1e2, 1e4], (4000, 1)).astype(np.float32)])
 
     def graph(g, x, s):
-        codes = encode(g, g.scope("/encode"), x, s, 6)
+        codes = encode(g, g.scope("/encode"), x, s, 6, kernel=kernel)
         return g.node("Cast", [codes], name="/codes", to=onnx.TensorProto.FLOAT), decode(g, g.scope("/decode"), codes)
 
     codes, values = run_op(graph, {"x": x, "s": scale})
