@@ -32,7 +32,7 @@ step's T rows. DequantizeLinear per axis over the context made SmolLM2's int8-KV
 Lowerings: `kernel=True` (the default build, --engine-kernels-plugin) is one node of the engine's own op
 (domain "engine", plugins/kernels/paged_attention.cc, compiled on first use by plugins/native.py) taking q, the
 pools, q_index, kv_slots, mask and out_index as they are: it reads each visible pool row in place, for the T packed
-tokens only, with the quantized pools' values widened as it reads them (fp8: a 256-entry table), so none of the
+tokens only, with the quantized pools' values widened as it reads them (fp8: from the e4m3 bits), so none of the
 gathers above exist (they were half of a decode step's time outside the matmuls: bench/NOTES.md entries 10, 23).
 Otherwise the context is gathered as drawn above and `plugin=True` runs the standard opset-23 Attention op (GQA by
 q_num_heads/kv_num_heads, boolean mask, scale, softcap); `plugin=False` spells it out: explicit GQA head expansion,
