@@ -14,6 +14,7 @@
 namespace engine_kernels {
 namespace {
 
+constexpr const char* kName = "BlockOffsets";
 constexpr int64_t kColumns = 1024;  // columns per work item: a lone decode row still spreads over the threads
 
 struct OffsetsKernel {
@@ -42,19 +43,16 @@ void offsets_item(void* opaque, size_t i) {
   }
 }
 
-void check(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(std::string("engine BlockOffsets: ") + what);
-}
-
 void compute(void* opaque, OrtKernelContext* context) {
   const auto& kernel = *static_cast<OffsetsKernel*>(opaque);
   const std::vector<Tensor> in = inputs(kernel.api, context, 3);
   const auto &x = in[0], &y = in[1], &offsets = in[2];
-  check(x.shape.size() == 2 && y.shape.size() == 2 && x.shape[0] == y.shape[0], "x must be [T, K] and y [T, N]");
+  require(x.shape.size() == 2 && y.shape.size() == 2 && x.shape[0] == y.shape[0], kName,
+          "x must be [T, K] and y [T, N]");
   const int64_t tokens = x.shape[0], k = x.shape[1], n = y.shape[1];
-  check(k % kernel.group == 0 && offsets.shape == std::vector<int64_t>{k / kernel.group, n},
-        "offsets must be [K / group_size, N]");
-  float* out = float_output(kernel.api, context, 0, {tokens, n});
+  require(k % kernel.group == 0 && offsets.shape == std::vector<int64_t>{k / kernel.group, n}, kName,
+          "offsets must be [K / group_size, N]");
+  float* out = output<float>(kernel.api, context, 0, {tokens, n});
   OffsetsJob job{static_cast<const float*>(x.data), static_cast<const float*>(y.data),
                  static_cast<const float*>(offsets.data), out, k, n, kernel.group, (n + kColumns - 1) / kColumns};
   parallel_for(kernel.api, context, static_cast<size_t>(tokens * job.chunks), offsets_item, &job);
@@ -65,14 +63,14 @@ void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
   Api api(table);
   int64_t group = 0;
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "group_size", &group);
-  check(group > 0, "group_size must be positive");
+  require(group > 0, kName, "group_size must be positive");
   return new OffsetsKernel{api, group};
 }
 
 CustomOp make_op() {
   CustomOp op = custom_op_base();
   op.CreateKernel = create_kernel;
-  op.GetName = [](CustomOp*) { return "BlockOffsets"; };
+  op.GetName = [](CustomOp*) { return kName; };
   op.GetInputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };
   op.GetInputTypeCount = [](CustomOp*) { return size_t{3}; };
   op.GetOutputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };

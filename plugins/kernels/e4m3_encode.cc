@@ -43,16 +43,13 @@ void encode_row(void* opaque, size_t t) {
 }
 
 void compute(void* opaque, OrtKernelContext* context) {
-  using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
   const Api& api = *static_cast<Api*>(opaque);
   const std::vector<Tensor> in = inputs(api, context, 2);
   const auto &x = in[0], &scale = in[1];
-  if (x.shape.size() != 2 || scale.shape != std::vector<int64_t>{x.shape[1]})
-    throw std::invalid_argument("engine E4m3Encode: x must be [T, C] and scale [C]");
-  OrtValue* value = nullptr;
-  api.call<GetOutput>(kKernelContextGetOutput, context, size_t{0}, x.shape.data(), x.shape.size(), &value);
+  require(x.shape.size() == 2 && scale.shape == std::vector<int64_t>{x.shape[1]}, "E4m3Encode",
+          "x must be [T, C] and scale [C]");
   EncodeJob job{static_cast<const float*>(x.data), static_cast<const float*>(scale.data),
-                static_cast<uint8_t*>(describe(api, value).data), x.shape[1]};
+                output<uint8_t>(api, context, 0, x.shape), x.shape[1]};
   parallel_for(api, context, static_cast<size_t>(x.shape[0]), encode_row, &job);
 }
 

@@ -143,12 +143,19 @@ inline std::vector<Tensor> inputs(const Api& api, OrtKernelContext* context, siz
   return in;
 }
 
-inline float* float_output(const Api& api, OrtKernelContext* context, size_t index,
-                           const std::vector<int64_t>& shape) {
+// The data of output `index`, allocated by ORT with `shape` (elements of T, the type the op declares for it).
+template <typename T>
+inline T* output(const Api& api, OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
   using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
   OrtValue* value = nullptr;
   api.call<GetOutput>(kKernelContextGetOutput, context, index, shape.data(), shape.size(), &value);
-  return static_cast<float*>(describe(api, value).data);
+  return static_cast<T*>(describe(api, value).data);
+}
+
+// An input or attribute the op cannot take: std::invalid_argument naming the op, which ORT reports as the run's
+// error.
+inline void require(bool ok, const char* op, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string("engine ") + op + ": " + what);
 }
 
 // The ops of each kernel file, registered by register.cc.

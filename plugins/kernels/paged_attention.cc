@@ -23,16 +23,14 @@
 namespace engine_kernels {
 namespace {
 
+constexpr const char* kName = "PagedAttention";
+
 struct Kernel {
   Api api;
   int64_t heads, kv_heads;
   float scale, softcap;
   int pool_type;
 };
-
-void check_shape(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("engine PagedAttention: " + what);
-}
 
 template <typename P>
 struct Job {
@@ -62,26 +60,26 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   const std::vector<Tensor> in = inputs(k.api, context, 7);
   const auto &q = in[0], &kc = in[1], &vc = in[2], &q_index = in[3], &kv_slots = in[4], &mask = in[5],
              &out_index = in[6];
-  check_shape(q.shape.size() == 2 && q.shape[1] % k.heads == 0, "q must be [T, num_heads * head_dim]");
+  require(q.shape.size() == 2 && q.shape[1] % k.heads == 0, kName, "q must be [T, num_heads * head_dim]");
   Shapes s{q.shape[0], 0, 0, 0, 0, k.heads, k.kv_heads, q.shape[1] / k.heads};
-  check_shape(kc.shape.size() == 2 && kc.shape == vc.shape && kc.shape[1] == s.kv_heads * s.hd,
-              "kcache and vcache must both be [num_slots, num_kv_heads * head_dim]");
-  check_shape(q_index.shape.size() == 2 && kv_slots.shape.size() == 2 && kv_slots.shape[0] == q_index.shape[0],
-              "q_index must be [B, Qmax] and kv_slots [B, Lmax]");
+  require(kc.shape.size() == 2 && kc.shape == vc.shape && kc.shape[1] == s.kv_heads * s.hd, kName,
+          "kcache and vcache must both be [num_slots, num_kv_heads * head_dim]");
+  require(q_index.shape.size() == 2 && kv_slots.shape.size() == 2 && kv_slots.shape[0] == q_index.shape[0], kName,
+          "q_index must be [B, Qmax] and kv_slots [B, Lmax]");
   s.rows = q_index.shape[0], s.qmax = q_index.shape[1], s.lmax = kv_slots.shape[1], s.slots = kc.shape[0];
-  check_shape(mask.shape == std::vector<int64_t>{s.rows, 1, s.qmax, s.lmax}, "mask must be [B, 1, Qmax, Lmax]");
-  check_shape(out_index.shape == std::vector<int64_t>{s.tokens}, "out_index must be [T]");
+  require(mask.shape == std::vector<int64_t>{s.rows, 1, s.qmax, s.lmax}, kName, "mask must be [B, 1, Qmax, Lmax]");
+  require(out_index.shape == std::vector<int64_t>{s.tokens}, kName, "out_index must be [T]");
   const auto* slots = static_cast<const int64_t*>(kv_slots.data);
   const auto* rows = static_cast<const int64_t*>(out_index.data);
   const auto* queries = static_cast<const int64_t*>(q_index.data);
   for (int64_t i = 0; i < s.rows * s.lmax; ++i)
-    check_shape(slots[i] >= 0 && slots[i] < s.slots, "kv_slots holds a slot outside the pool");
+    require(slots[i] >= 0 && slots[i] < s.slots, kName, "kv_slots holds a slot outside the pool");
   for (int64_t t = 0; t < s.tokens; ++t)
-    check_shape(rows[t] >= 0 && rows[t] < s.rows * s.qmax && queries[rows[t]] >= 0 && queries[rows[t]] < s.tokens,
-                "out_index or q_index holds an index outside the step");
+    require(rows[t] >= 0 && rows[t] < s.rows * s.qmax && queries[rows[t]] >= 0 && queries[rows[t]] < s.tokens,
+            kName, "out_index or q_index holds an index outside the step");
 
   const std::vector<int64_t> out_shape{s.tokens, s.heads * s.hd};
-  float* out = float_output(k.api, context, 0, out_shape);
+  float* out = output<float>(k.api, context, 0, out_shape);
   Job<P> job{s, k.scale, k.softcap, static_cast<const float*>(q.data), static_cast<const P*>(kc.data),
              static_cast<const P*>(vc.data), slots, rows, queries, static_cast<const bool*>(mask.data), 1, {}};
   // Split each token's keys in two when a step has fewer (token, KV head) items than ORT's two-thread pool can
@@ -106,16 +104,14 @@ void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) 
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
   using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
   Api api(table);
-  auto* kernel = new Kernel{api, 0, 0, 0.0f, 0.0f, static_cast<PagedAttentionOp*>(op)->pool_type};
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_heads", &kernel->heads);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_kv_heads", &kernel->kv_heads);
-  api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "scale", &kernel->scale);
-  api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "softcap", &kernel->softcap);
-  if (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads) {
-    delete kernel;
-    throw std::invalid_argument("engine PagedAttention: num_heads must be a positive multiple of num_kv_heads");
-  }
-  return kernel;
+  Kernel kernel{api, 0, 0, 0.0f, 0.0f, static_cast<PagedAttentionOp*>(op)->pool_type};
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_heads", &kernel.heads);
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_kv_heads", &kernel.kv_heads);
+  api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "scale", &kernel.scale);
+  api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "softcap", &kernel.softcap);
+  require(kernel.heads > 0 && kernel.kv_heads > 0 && kernel.heads % kernel.kv_heads == 0, kName,
+          "num_heads must be a positive multiple of num_kv_heads");
+  return new Kernel(kernel);
 }
 
 void kernel_compute(void* opaque, OrtKernelContext* context) {
