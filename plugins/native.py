@@ -21,10 +21,10 @@ from pathlib import Path
 
 from engine.core.errors import EngineError
 
-DOMAIN = "engine"
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cc"))
-FLAGS = ["-O3", "-march=native", "-mtune=generic", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-mtune=generic", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
+         "-fno-math-errno"]
 COMPILE_TIMEOUT_S = 300
 
 
