@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import importlib
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 
@@ -84,6 +86,35 @@ def _command_word(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+def _invoke(app: typer.Typer, argv: list[str], session: Session):
+    """Run the app; an error that follows a Ctrl-C is the interruption. Some extensions turn the KeyboardInterrupt
+    raised inside them into an error of their own (torch, building the tensor safetensors' get_tensor returns,
+    reports "ValueError: could not determine the shape of object type 'torch.storage.UntypedStorage'"), which
+    would otherwise reach the user as a traceback and exit status 1 instead of "interrupted" and 130."""
+    interrupted = False
+
+    def on_sigint(signum, frame):
+        nonlocal interrupted
+        interrupted = True
+        signal.default_int_handler(signum, frame)
+
+    # only over Python's own handler (not over SIG_IGN, which a shell's background job inherits), and only from the
+    # main thread, the one that may set handlers
+    ours = threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        return app(args=argv, prog_name="engine", standalone_mode=False, obj=session)
+    except Exception as e:
+        if interrupted:
+            raise KeyboardInterrupt from e
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI on `argv` (default sys.argv[1:]) and exit: 0 ok, 1 failure, 2 usage error, 130 interrupted."""
     session = Session()
@@ -91,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     word = _command_word(argv)
     app = make_app([word] if word in COMMANDS else COMMANDS)
     try:
-        rc = app(args=argv, prog_name="engine", standalone_mode=False, obj=session)
+        rc = _invoke(app, argv, session)
     except EngineError as e:
         if session.verbose:
             traceback.print_exc()

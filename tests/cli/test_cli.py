@@ -121,6 +121,38 @@ def test_verbose_adds_the_traceback(tiny, tmp_path, capsys):
     assert err.splitlines()[-1].startswith("error: no weights in")
 
 
+@pytest.mark.parametrize("interrupted", [True, False])
+def test_error_an_extension_makes_of_ctrl_c_is_the_interruption(capsys, monkeypatch, interrupted):
+    """torch, building the tensor safetensors' get_tensor returns, turns a KeyboardInterrupt raised inside it into
+    "ValueError: could not determine the shape ..." (CI saw it in test_interrupt_leaves_nothing); after a Ctrl-C
+    that error is reported as the interruption (130, one line), and without one it stays a crash (a traceback)."""
+    import typer
+
+    from engine.cli import app as cli_app
+
+    fake = typer.Typer()
+    fake.callback()(lambda: None)
+
+    @fake.command("convert")
+    def swallowing_extension():
+        try:
+            if interrupted:
+                os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before the next bytecode
+            raise ValueError("nothing interrupted this")
+        except KeyboardInterrupt:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    monkeypatch.setattr(cli_app, "make_app", lambda names: fake)
+    if not interrupted:
+        with pytest.raises(ValueError, match="nothing interrupted this"):
+            main(["convert"])
+        return
+    code, out, err = cli(capsys, "convert")
+    assert code == 130 and out == ""
+    assert assert_one_line_error(err) == "error: interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_message_with_brackets_is_printed_literally(tiny, tmp_path, capsys):
     # rich markup must not eat "[bold]" in a path
     model = Path(shutil.copytree(tiny, tmp_path / "[bold]model"))
