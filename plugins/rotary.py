@@ -32,7 +32,9 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> np.ndarray:
         return (f32(1) / a) * f32(scalar)
 
     exponent = np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)
-    inv = f32(1.0) / (f32(rope.theta) ** exponent)
+    # theta ** exponent rounded once from float64: torch's float32 pow is correctly rounded here, NumPy's is not on
+    # AVX-512 (SVML, 1 ulp off for some exponents)
+    inv = f32(1.0) / (np.float64(f32(rope.theta)) ** exponent.astype(np.float64)).astype(f32)
     if rope.type == "linear":
         inv = inv / f32(rope.factor)
     elif rope.type == "llama3":
