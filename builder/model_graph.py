@@ -13,6 +13,9 @@ One decoder layer i (names follow onnxruntime-genai: /model/layers.{i}/attn/qkv_
                     ▼
                gated_mlp(gate_up, down) ─▶ [AllReduce tp>1] ─▶ [mlp_post_norm] ─▶ pending (added by the next norm)
 
+With the engine's kernels (--engine-kernels-plugin) and no q/k norm, everything from the Split to paged_attention
+is one RotaryPagedAttention node (plugins/attention.rotary_paged_attention), whatever the KV dtype.
+
 Before layer 0 `hidden` is the embedding (times embedding_multiplier) and nothing is pending; after the last
 layer the rows named by logits_indices are gathered first, so the final add_rms_norm and the lm_head run only
 on the S sampled tokens, then the optional final logit softcap c*tanh(x/c).
@@ -54,9 +57,9 @@ from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
-from engine.plugins.attention import paged_attention, write_kv
+from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
-from engine.plugins.gated_mlp import _activation, gated_mlp
+from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp
 from engine.plugins.linear import linear, quantized_gather, quantized_linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
@@ -119,19 +122,22 @@ class _Builder:
         """Gated MLP; with quantized weights composed from quantized projections:
 
             gemm_swiglu_plugin:  x ─proj gate_up─▶ Split ─▶ act(gate) * up ─▶ proj down
+                                 (SiLU with the engine's kernels: one SwiGLU node from Split to Mul)
             else:                x ─proj gate─▶ act ─┐ x ─proj up─▶ Mul ─▶ proj down
         """
         m, p, g = self.m, self.p, self.g
         calibrated = self.is_calibrated(w + "mlp.gate_up.weight")
         if self.scheme is None and not calibrated:
             return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
-                             m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin)
+                             m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin,
+                             kernel=p.engine_kernels_plugin)
         op = g.scope(name)
         plugin, kernel = p.weight_only_quant_matmul_plugin, p.engine_kernels_plugin
         if p.gemm_swiglu_plugin:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
-            gate, up = op("Split", [fused, g.const([m.intermediate_size // self.tp] * 2)], outputs=2, axis=-1)
-        elif calibrated:
+            hidden = gate_times_up(g, op, fused, m.intermediate_size // self.tp, m.activation, kernel=kernel)
+            return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
+        if calibrated:
             fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
             half = fused.shape[0] // 2
             gate, up = (calibrated_linear(g, x, part, None, name=f"{name}/{what}_proj",
@@ -146,7 +152,7 @@ class _Builder:
             up = linear(g, x, gate_up[half:], None, name=f"{name}/up_proj", weight_name=w + "mlp.up.weight",
                         scheme=self.scheme, plugin=plugin, kernel=kernel)
             del gate_up
-        hidden = op("Mul", [_activation(g, op, gate, m.activation, p.gemm_swiglu_plugin), up])
+        hidden = op("Mul", [activate(g, op, gate, m.activation, p.gemm_swiglu_plugin), up])
         return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
 
     def all_reduce(self, x: str, name: str) -> str:
@@ -156,13 +162,13 @@ class _Builder:
         return self.g.node("AllReduce", [x], name=f"{name}/AllReduce", domain=MS_DOMAIN, group_size=self.tp)
 
     def cache_output(self, value: str, name: str, kv_size: int) -> str:
-        """Make the node that produced `value` (the ScatterND of write_kv) write graph output `name` itself.
+        """Make the node that produced `value` (the ScatterND of write_kv, or RotaryPagedAttention) write graph
+        output `name` itself.
 
         Graph.output would add an Identity, and an Identity between the ScatterND and the bound output makes
         ORT copy the whole pool every step (measured: 2.9 ms -> 320 ms per decode step with 200 MB of pool)."""
-        node = self.g.nodes[-1]
-        assert list(node.output) == [value], (node.name, value)
-        node.output[0] = name
+        node = next(n for n in reversed(self.g.nodes) if value in n.output)
+        node.output[list(node.output).index(value)] = name
         self.g.outputs.append(helper.make_tensor_value_info(name, self.kv_type, ["num_slots", kv_size]))
         return name
 
@@ -198,22 +204,29 @@ class _Builder:
             caches["sliding"] = caches["full"]
         return caches
 
-    def layer(self, i: int, hidden: str, pending: str | None, rope: dict) -> tuple[str, str]:
+    def attention(self, i: int, qkv: str, rope: dict) -> str:
+        """Rotary, the K/V write and paged attention of layer i over its q|k|v projection -> [T, heads * hd]."""
         m, p, g = self.m, self.p, self.g
         w, pre = f"layers.{i}.", f"/model/layers.{i}"
         hd, q_size, kv_size = m.head_dim, self.heads * m.head_dim, self.kv_heads * m.head_dim
-        if pending is None:
-            normed = rms_norm(g, hidden, self.norm_weight(w + "attn_norm.weight"), m.norm_eps,
-                              name=f"{pre}/input_layernorm", weight_name=w + "attn_norm.weight",
-                              plugin=p.rmsnorm_plugin, whole_rows=True)
-        else:
-            normed, hidden = add_rms_norm(g, pending, hidden, self.norm_weight(w + "attn_norm.weight"), m.norm_eps,
-                                          name=f"{pre}/input_layernorm", weight_name=w + "attn_norm.weight",
-                                          plugin=p.rmsnorm_plugin)
-        bias = self.take(w + "attention.qkv.bias") if m.qkv_bias else None
-        qkv = self.proj(normed, w + "attention.qkv.weight", f"{pre}/attn/qkv_proj", bias)
         kind = m.layer_type(i)
         cos, sin = rope[kind]
+        mask = ec.ATTN_MASK_SLIDING if kind == "sliding" else ec.ATTN_MASK
+        scale = m.attention_scale if m.attention_scale is not None else hd ** -0.5
+        ks = vs = k_scale = v_scale = None
+        if self.kv_quantized:
+            ks, vs = layer_scales(self.q.kv_cache, m, i, self.tp, self.rank)
+            k_scale = g.weight(w + "attention.kv_cache.k_scaling_factor", ks)
+            v_scale = g.weight(w + "attention.kv_cache.v_scaling_factor", vs)
+        if p.engine_kernels_plugin and not m.qk_norm:
+            attn, kc, vc = rotary_paged_attention(
+                g, qkv, ec.POSITIONS, cos, sin, ec.kcache_name(i), ec.vcache_name(i), ec.SLOT_MAPPING,
+                q_index=ec.Q_INDEX, kv_slots=ec.KV_SLOTS, mask=mask, out_index=ec.OUT_INDEX, num_heads=self.heads,
+                num_kv_heads=self.kv_heads, scale=scale, softcap=m.attn_logit_softcap,
+                name=f"{pre}/attn/paged_attention", k_scale=k_scale, v_scale=v_scale, kv_dtype=self.kv_dtype)
+            self.cache_output(kc, ec.kcache_out_name(i), kv_size)
+            self.cache_output(vc, ec.vcache_out_name(i), kv_size)
+            return attn
         if m.qk_norm:
             q, k, v = g.node("Split", [qkv, g.const([q_size, kv_size, kv_size])],
                              name=f"{pre}/attn/qkv_split/Split", outputs=3, axis=-1)
@@ -237,11 +250,6 @@ class _Builder:
                         name=f"{pre}/attn/qk_rotary", plugin=p.rotary_plugin)
             q, k = g.node("Split", [qk, g.const([q_size, kv_size])], name=f"{pre}/attn/qk_split/Split",
                           outputs=2, axis=-1)
-        ks = vs = k_scale = v_scale = None
-        if self.kv_quantized:
-            ks, vs = layer_scales(self.q.kv_cache, m, i, self.tp, self.rank)
-            k_scale = g.weight(w + "attention.kv_cache.k_scaling_factor", ks)
-            v_scale = g.weight(w + "attention.kv_cache.v_scaling_factor", vs)
         kc = self.cache_output(write_kv(g, ec.kcache_name(i), ec.SLOT_MAPPING, k, name=f"{pre}/attn/k_cache",
                                         scale=k_scale, kv_dtype=self.kv_dtype, channels=kv_size,
                                         kernel=p.engine_kernels_plugin),
@@ -250,13 +258,26 @@ class _Builder:
                                         scale=v_scale, kv_dtype=self.kv_dtype, channels=kv_size,
                                         kernel=p.engine_kernels_plugin),
                                ec.vcache_out_name(i), kv_size)
-        attn = paged_attention(
-            g, q, kc, vc, q_index=ec.Q_INDEX, kv_slots=ec.KV_SLOTS,
-            mask=ec.ATTN_MASK_SLIDING if kind == "sliding" else ec.ATTN_MASK, out_index=ec.OUT_INDEX,
-            num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd,
-            scale=m.attention_scale if m.attention_scale is not None else hd ** -0.5,
-            softcap=m.attn_logit_softcap, name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin,
-            kernel=p.engine_kernels_plugin, k_scale=ks, v_scale=vs, kv_dtype=self.kv_dtype)
+        return paged_attention(
+            g, q, kc, vc, q_index=ec.Q_INDEX, kv_slots=ec.KV_SLOTS, mask=mask, out_index=ec.OUT_INDEX,
+            num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=hd, scale=scale, softcap=m.attn_logit_softcap,
+            name=f"{pre}/attn/paged_attention", plugin=p.gpt_attention_plugin, kernel=p.engine_kernels_plugin,
+            k_scale=ks, v_scale=vs, kv_dtype=self.kv_dtype)
+
+    def layer(self, i: int, hidden: str, pending: str | None, rope: dict) -> tuple[str, str]:
+        m, p, g = self.m, self.p, self.g
+        w, pre = f"layers.{i}.", f"/model/layers.{i}"
+        if pending is None:
+            normed = rms_norm(g, hidden, self.norm_weight(w + "attn_norm.weight"), m.norm_eps,
+                              name=f"{pre}/input_layernorm", weight_name=w + "attn_norm.weight",
+                              plugin=p.rmsnorm_plugin, whole_rows=True)
+        else:
+            normed, hidden = add_rms_norm(g, pending, hidden, self.norm_weight(w + "attn_norm.weight"), m.norm_eps,
+                                          name=f"{pre}/input_layernorm", weight_name=w + "attn_norm.weight",
+                                          plugin=p.rmsnorm_plugin)
+        bias = self.take(w + "attention.qkv.bias") if m.qkv_bias else None
+        qkv = self.proj(normed, w + "attention.qkv.weight", f"{pre}/attn/qkv_proj", bias)
+        attn = self.attention(i, qkv, rope)
         out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:

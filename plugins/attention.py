@@ -34,6 +34,10 @@ Lowerings: `kernel=True` (the default build, --engine-kernels-plugin) is one nod
 pools, q_index, kv_slots, mask and out_index as they are: it reads each visible pool row in place, for the T packed
 tokens only, with the quantized pools' values widened as it reads them (fp8: from the e4m3 bits), so none of the
 gathers above exist (they were half of a decode step's time outside the matmuls: bench/NOTES.md entries 10, 23).
+Without q/k norm, `rotary_paged_attention` goes one further: one node takes the projection's q|k|v, rotates q and
+k, writes k and v into the pools (quantized as write_kv does) and attends, in place of the ~9 small nodes per layer
+of Split, RotaryEmbedding, Unsqueeze/Squeeze, ScatterND (and the quantizers) and the attention op (bench/NOTES.md
+entry 24).
 Otherwise the context is gathered as drawn above and `plugin=True` runs the standard opset-23 Attention op (GQA by
 q_num_heads/kv_num_heads, boolean mask, scale, softcap); `plugin=False` spells it out: explicit GQA head expansion,
 MatMul, softcap = c*tanh(s/c), Where(mask, s, -1e30), Softmax, MatMul.
@@ -78,10 +82,7 @@ def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str,
     """q [T, num_heads*hd] (rotary applied), pools already holding this step's K/V -> [T, num_heads*hd]. With
     k_scale / v_scale (int8 and fp8 pools: float32 [kv*hd]) the gathered context is converted to float32 unscaled
     (int8: cast; fp8: its e4m3 values) and the scales are folded into q and the output (module docstring)."""
-    if num_heads % num_kv_heads:
-        raise EngineError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if softcap is not None and softcap <= 0:
-        raise EngineError(f"attention softcap {softcap} must be positive (or None for no softcap)")
+    _check_heads(num_heads, num_kv_heads, softcap)
     op = g.scope(name)
     group = num_heads // num_kv_heads
     if k_scale is not None:
@@ -96,6 +97,34 @@ def paged_attention(g: Graph, q: str, kcache: str, vcache: str, *, q_index: str,
     if v_scale is not None:
         out = op("Mul", [out, g.const(per_query_head(v_scale, num_kv_heads, group), np.float32)])
     return out
+
+
+def rotary_paged_attention(g: Graph, qkv: str, positions: str, cos: str, sin: str, kcache: str, vcache: str,
+                           slot_mapping: str, *, q_index: str, kv_slots: str, mask: str, out_index: str,
+                           num_heads: int, num_kv_heads: int, scale: float, softcap: float | None, name: str,
+                           k_scale: str | None = None, v_scale: str | None = None,
+                           kv_dtype: str = "float32") -> tuple[str, str, str]:
+    """The engine's one-node form (plugins/kernels/paged_attention.cc, RotaryPagedAttention*) of Split q|k|v,
+    rotary(q, k) (plugins/rotary.py), write_kv(k), write_kv(v) and paged_attention:
+    qkv [T, (num_heads + 2 num_kv_heads) * hd] -> (out [T, num_heads * hd], updated kcache, updated vcache).
+    Quantized pools take their scales as initializers `k_scale` / `v_scale` (float32 [kv * hd]); the op stores the
+    rows as write_kv does and folds the scales into q and the output as paged_attention does. The caller makes the
+    two pools graph outputs bound to the input pools' buffers, as for write_kv."""
+    _check_heads(num_heads, num_kv_heads, softcap)
+    op = g.scope(name)
+    inputs = [qkv, positions, cos, sin, kcache, vcache, slot_mapping, q_index, kv_slots, mask, out_index]
+    if kv_dtype != "float32":
+        inputs += [k_scale, v_scale]
+    out, kc, vc = op(f"Rotary{KERNELS[kv_dtype]}", inputs, outputs=3, domain=ENGINE_DOMAIN, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, scale=float(scale), softcap=float(softcap or 0))
+    return out, kc, vc
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, softcap: float | None) -> None:
+    if num_heads % num_kv_heads:
+        raise EngineError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if softcap is not None and softcap <= 0:
+        raise EngineError(f"attention softcap {softcap} must be positive (or None for no softcap)")
 
 
 def _gathered(g: Graph, op: Scope, q: str, kcache: str, vcache: str, *, q_index: str, kv_slots: str, mask: str,

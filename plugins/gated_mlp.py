@@ -5,7 +5,9 @@
     plugin=False:  gate = x @ Wg^T, up = x @ Wu^T (two MatMuls), act spelled out in elementwise ops.
 
 The fused lowering reads x once for both projections. SiLU is Sigmoid*Mul, which ORT fuses into its QuickGelu
-kernel; GELU is the opset-20 Gelu(approximate="tanh"), which ORT runs as one kernel.
+kernel; GELU is the opset-20 Gelu(approximate="tanh"), which ORT runs as one kernel. With `kernel` (the engine's
+ops, --engine-kernels-plugin) a SiLU gate is one SwiGLU node over the fused projection instead of Split, QuickGelu
+and Mul (plugins/kernels/swiglu.cc).
 
 Initializers (weight_name is the MLP's prefix, e.g. "layers.0.mlp"): plugin: "{weight_name}.gate_up.weight"
 [H, 2I]; reference: "{weight_name}.gate.weight", "{weight_name}.up.weight"; both "{weight_name}.down.weight".
@@ -17,13 +19,13 @@ import math
 
 import numpy as np
 
-from engine.builder.graph import Graph, Scope
+from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.config import ACTIVATIONS
 from engine.core.errors import EngineError
 
 
 def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activation: str, *, name: str,
-              weight_name: str, plugin: bool) -> str:
+              weight_name: str, plugin: bool, kernel: bool = False) -> str:
     """x [T, H]; gate_up [2I, H] = [gate rows; up rows]; down [H, I] -> [T, H]."""
     if activation not in ACTIVATIONS:
         raise EngineError(f"activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
@@ -35,15 +37,24 @@ def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activatio
     op = g.scope(name)
     if plugin:
         fused = op("MatMul", [x, g.weight(f"{weight_name}.gate_up.weight", gate_up.T)])
-        gate, up = op("Split", [fused, g.const([inter, inter])], outputs=2, axis=-1)
+        hidden = gate_times_up(g, op, fused, inter, activation, kernel=kernel)
     else:
         gate = op("MatMul", [x, g.weight(f"{weight_name}.gate.weight", gate_up[:inter].T)])
         up = op("MatMul", [x, g.weight(f"{weight_name}.up.weight", gate_up[inter:].T)])
-    hidden = op("Mul", [_activation(g, op, gate, activation, plugin), up])
+        hidden = op("Mul", [activate(g, op, gate, activation, plugin), up])
     return op("MatMul", [hidden, g.weight(f"{weight_name}.down.weight", np.asarray(down, dtype=np.float32).T)])
 
 
-def _activation(g: Graph, op: Scope, x: str, activation: str, plugin: bool) -> str:
+def gate_times_up(g: Graph, op: Scope, fused: str, inter: int, activation: str, *, kernel: bool) -> str:
+    """act(gate) * up of a fused gate|up projection [T, 2I] -> [T, I] (the engine's SwiGLU op for SiLU with
+    `kernel`)."""
+    if kernel and activation == "silu":
+        return op("SwiGLU", [fused], domain=ENGINE_DOMAIN)
+    gate, up = op("Split", [fused, g.const([inter, inter])], outputs=2, axis=-1)
+    return op("Mul", [activate(g, op, gate, activation, True), up])
+
+
+def activate(g: Graph, op: Scope, x: str, activation: str, plugin: bool) -> str:
     if activation == "silu":
         return op("Mul", [x, op("Sigmoid", [x])])
     if plugin:

@@ -36,6 +36,34 @@ struct E4m3Table {
 };
 inline const E4m3Table kE4m3;
 
+// The code of v: round to nearest even on the e4m3 grid, saturated to +-448 (QuantizeLinear to float8e4m3fn with
+// saturate=1); NaN gives the NaN code 0x7f (+ sign).
+inline uint8_t e4m3_code(float v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const float a = std::fabs(v);
+  if (std::isnan(a)) return sign | 0x7f;
+  if (a >= 448.0f) return sign | 0x7e;
+  if (a < 0.015625f)  // below the smallest normal 2^-6: subnormal steps of 2^-9 (rounding up to 2^-6 gives 0x08)
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
+  int exponent = 0;
+  const float fraction = std::frexp(a, &exponent);            // a = fraction * 2^exponent, fraction in [0.5, 1)
+  int mantissa = static_cast<int>(std::nearbyint((fraction * 2.0f - 1.0f) * 8.0f));   // of 1.m, 0..8
+  int biased = exponent - 1 + 7;
+  if (mantissa == 8) mantissa = 0, ++biased;                   // rounded up into the next binade
+  return sign | static_cast<uint8_t>(biased << 3 | mantissa);
+}
+
+// A float stored into a pool of P: as is; int8 rounded half to even and saturated (QuantizeLinear); fp8 its code.
+inline void store(float x, float* to) { *to = x; }
+inline void store(float x, int8_t* to) { *to = static_cast<int8_t>(std::clamp(std::nearbyint(x), -128.0f, 127.0f)); }
+inline void store(float x, uint8_t* to) { *to = e4m3_code(x); }
+
+// Row x [n] into pool row `to`, divided by `scale` channel-wise first when the pool is quantized (scale not null).
+template <typename P>
+inline void write_row(const float* x, const float* scale, int64_t n, P* to) {
+  for (int64_t c = 0; c < n; ++c) store(scale ? x[c] / scale[c] : x[c], to + c);
+}
+
 inline float widen(float x) { return x; }
 inline float widen(int8_t x) { return static_cast<float>(x); }
 inline float widen(uint8_t code) { return kE4m3.value[code]; }

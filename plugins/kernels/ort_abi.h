@@ -119,6 +119,29 @@ inline CustomOp custom_op_base() {
   return op;
 }
 
+// An op whose kernel keeps only the API table (no attributes): `inputs` inputs of `input_type`, one output of
+// `output_type`, computed by `compute(Api*, context)`.
+struct SimpleOp : CustomOp {
+  const char* name;
+  int input_type;
+  size_t inputs;
+  int output_type;
+};
+
+inline SimpleOp simple_op(const char* name, int input_type, size_t inputs, int output_type,
+                          void (*compute)(void* api, OrtKernelContext* context)) {
+  SimpleOp op{custom_op_base(), name, input_type, inputs, output_type};
+  op.CreateKernel = [](CustomOp*, const void* table, const OrtKernelInfo*) -> void* { return new Api(table); };
+  op.GetName = [](CustomOp* o) { return static_cast<SimpleOp*>(o)->name; };
+  op.GetInputType = [](CustomOp* o, size_t) { return static_cast<SimpleOp*>(o)->input_type; };
+  op.GetInputTypeCount = [](CustomOp* o) { return static_cast<SimpleOp*>(o)->inputs; };
+  op.GetOutputType = [](CustomOp* o, size_t) { return static_cast<SimpleOp*>(o)->output_type; };
+  op.GetOutputTypeCount = [](CustomOp*) { return size_t{1}; };
+  op.KernelCompute = compute;
+  op.KernelDestroy = [](void* kernel) { delete static_cast<Api*>(kernel); };
+  return op;
+}
+
 // KernelContext_ParallelFor of the table GetApi(17) returns, set by RegisterCustomOps (null before ORT 1.17).
 inline void* g_parallel_for = nullptr;
 
@@ -162,5 +185,6 @@ inline void require(bool ok, const char* op, const std::string& what) {
 std::vector<CustomOp*> paged_attention_ops();
 std::vector<CustomOp*> block_offsets_ops();
 std::vector<CustomOp*> e4m3_encode_ops();
+std::vector<CustomOp*> swiglu_ops();
 
 }  // namespace engine_kernels

@@ -17,6 +17,8 @@
 // Attributes: num_heads, num_kv_heads (int), scale, softcap (float, 0 = none). Only the T selected rows are
 // computed (padded rows of the plain lowering are never selected); a row that sees no key gets zeros (a real token
 // always sees itself). The math is attention_math.h; ORT's C ABI, ort_abi.h; registration, register.cc.
+#include <type_traits>
+
 #include "attention_math.h"
 #include "ort_abi.h"
 
@@ -30,6 +32,7 @@ struct Kernel {
   int64_t heads, kv_heads;
   float scale, softcap;
   int pool_type;
+  bool rotary;
 };
 
 template <typename P>
@@ -55,18 +58,14 @@ void run_item(void* opaque, size_t i) {
               j.rows[t], g, part, j.parts, j.partials.data() + item * partial_size(j.s), scratch);
 }
 
+// Attention of the step's T tokens (q [T, heads * hd]) over pools kc, vc [num_slots, kv * hd] already holding
+// their K/V, the step's index inputs q_index, kv_slots, mask and out_index validated here; out [T, heads * hd].
 template <typename P>
-void compute(const Kernel& k, OrtKernelContext* context) {
-  const std::vector<Tensor> in = inputs(k.api, context, 7);
-  const auto &q = in[0], &kc = in[1], &vc = in[2], &q_index = in[3], &kv_slots = in[4], &mask = in[5],
-             &out_index = in[6];
-  require(q.shape.size() == 2 && q.shape[1] % k.heads == 0, kName, "q must be [T, num_heads * head_dim]");
-  Shapes s{q.shape[0], 0, 0, 0, 0, k.heads, k.kv_heads, q.shape[1] / k.heads};
-  require(kc.shape.size() == 2 && kc.shape == vc.shape && kc.shape[1] == s.kv_heads * s.hd, kName,
-          "kcache and vcache must both be [num_slots, num_kv_heads * head_dim]");
+void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q, const P* kc, const P* vc,
+            const Tensor& q_index, const Tensor& kv_slots, const Tensor& mask, const Tensor& out_index, float* out) {
   require(q_index.shape.size() == 2 && kv_slots.shape.size() == 2 && kv_slots.shape[0] == q_index.shape[0], kName,
           "q_index must be [B, Qmax] and kv_slots [B, Lmax]");
-  s.rows = q_index.shape[0], s.qmax = q_index.shape[1], s.lmax = kv_slots.shape[1], s.slots = kc.shape[0];
+  s.rows = q_index.shape[0], s.qmax = q_index.shape[1], s.lmax = kv_slots.shape[1];
   require(mask.shape == std::vector<int64_t>{s.rows, 1, s.qmax, s.lmax}, kName, "mask must be [B, 1, Qmax, Lmax]");
   require(out_index.shape == std::vector<int64_t>{s.tokens}, kName, "out_index must be [T]");
   const auto* slots = static_cast<const int64_t*>(kv_slots.data);
@@ -78,10 +77,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
     require(rows[t] >= 0 && rows[t] < s.rows * s.qmax && queries[rows[t]] >= 0 && queries[rows[t]] < s.tokens,
             kName, "out_index or q_index holds an index outside the step");
 
-  const std::vector<int64_t> out_shape{s.tokens, s.heads * s.hd};
-  float* out = output<float>(k.api, context, 0, out_shape);
-  Job<P> job{s, k.scale, k.softcap, static_cast<const float*>(q.data), static_cast<const P*>(kc.data),
-             static_cast<const P*>(vc.data), slots, rows, queries, static_cast<const bool*>(mask.data), 1, {}};
+  Job<P> job{s, k.scale, k.softcap, q, kc, vc, slots, rows, queries, static_cast<const bool*>(mask.data), 1, {}};
   // Split each token's keys in two when a step has fewer (token, KV head) items than ORT's two-thread pool can
   // share evenly (a single decode of a model with an odd number of KV heads).
   const int64_t pairs = s.tokens * s.kv_heads;
@@ -92,19 +88,139 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t g = 0; g < s.kv_heads; ++g)
       combine(s, job.partials.data() + (t * s.kv_heads + g) * job.parts * partial_size(s), job.parts,
-              out + t * out_shape[1] + g * s.group() * s.hd);
+              out + t * s.heads * s.hd + g * s.group() * s.hd);
+}
+
+template <typename P>
+void compute(const Kernel& k, OrtKernelContext* context) {
+  const std::vector<Tensor> in = inputs(k.api, context, 7);
+  const auto &q = in[0], &kc = in[1], &vc = in[2];
+  require(q.shape.size() == 2 && q.shape[1] % k.heads == 0, kName, "q must be [T, num_heads * head_dim]");
+  Shapes s{q.shape[0], 0, 0, 0, 0, k.heads, k.kv_heads, q.shape[1] / k.heads};
+  require(kc.shape.size() == 2 && kc.shape == vc.shape && kc.shape[1] == s.kv_heads * s.hd, kName,
+          "kcache and vcache must both be [num_slots, num_kv_heads * head_dim]");
+  s.slots = kc.shape[0];
+  float* out = output<float>(k.api, context, 0, {s.tokens, s.heads * s.hd});
+  attend<P>(k, context, s, static_cast<const float*>(q.data), static_cast<const P*>(kc.data),
+            static_cast<const P*>(vc.data), in[3], in[4], in[5], in[6], out);
+}
+
+// RotaryPagedAttention{,Int8,Fp8}: the q/k rotary, the write of the step's K/V into the pools and PagedAttention in
+// one op (plugins/attention.py, rotary_paged_attention).
+//   0 qkv           float [T, (heads + 2 kv) * hd]   q | k | v of each packed token, before rotary
+//   1 positions     int64 [T]
+//   2 cos, 3 sin    float [max_positions, hd / 2]    rotate_half (plugins/rotary.py): [x1 c - x2 s | x2 c + x1 s]
+//   4 kcache        P     [num_slots, kv * hd]       as PagedAttention's
+//   5 vcache        P     [num_slots, kv * hd]
+//   6 slot_mapping  int64 [T]                        pool slot of each token's K/V
+//   7-10            q_index, kv_slots, mask, out_index, as PagedAttention's 3-6
+//   11 k_scale, 12 v_scale  float [kv * hd]          quantized pools only: rows are stored as x / scale, int8
+//                                                    rounded half to even and saturated, fp8 as e4m3_code; q is
+//                                                    scaled by k_scale and the output by v_scale per query head
+//   out 0           float [T, heads * hd]            as PagedAttention's
+//   out 1, 2        the pools with the step's rows written. The runtime binds them to the buffers of inputs 4 and
+//                   5, so the rows are written in place; an output elsewhere gets a copy of the pool first (the
+//                   semantics of ScatterND, which this replaces).
+template <typename P>
+struct RotaryJob {
+  const float *qkv, *cos, *sin, *k_scale, *v_scale;  // the scales: null for float pools
+  const int64_t *positions, *slot_mapping;
+  float* q;
+  P *kc, *vc;
+  int64_t heads, kv_heads, hd;
+};
+
+// x [heads, hd] rotated by angles (c, s) [hd / 2] into y.
+inline void rotate(const float* x, const float* c, const float* s, int64_t heads, int64_t hd, float* y) {
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; ++h, x += hd, y += hd)
+    for (int64_t i = 0; i < half; ++i) {
+      y[i] = x[i] * c[i] - x[i + half] * s[i];
+      y[i + half] = x[i + half] * c[i] + x[i] * s[i];
+    }
+}
+
+// Channel c of query head h reads KV channel (h / group) * hd + c % hd: `scale` [kv * hd] applied to x [heads * hd].
+inline void scale_per_query_head(float* x, const float* scale, int64_t heads, int64_t kv_heads, int64_t hd) {
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < hd; ++c) x[h * hd + c] *= scale[h / (heads / kv_heads) * hd + c];
+}
+
+template <typename P>
+void rotary_item(void* opaque, size_t i) {
+  const auto& j = *static_cast<const RotaryJob<P>*>(opaque);
+  const int64_t t = static_cast<int64_t>(i), kv = j.kv_heads * j.hd, width = j.heads * j.hd + 2 * kv;
+  const float* x = j.qkv + t * width;
+  const float *c = j.cos + j.positions[t] * (j.hd / 2), *s = j.sin + j.positions[t] * (j.hd / 2);
+  float* q = j.q + t * j.heads * j.hd;
+  rotate(x, c, s, j.heads, j.hd, q);
+  if (j.k_scale) scale_per_query_head(q, j.k_scale, j.heads, j.kv_heads, j.hd);
+  thread_local std::vector<float> k;
+  k.resize(static_cast<size_t>(kv));
+  rotate(x + j.heads * j.hd, c, s, j.kv_heads, j.hd, k.data());
+  write_row(k.data(), j.k_scale, kv, j.kc + j.slot_mapping[t] * kv);
+  write_row(x + j.heads * j.hd + kv, j.v_scale, kv, j.vc + j.slot_mapping[t] * kv);
+}
+
+template <typename P>
+void compute_rotary(const Kernel& k, OrtKernelContext* context) {
+  constexpr const char* name = "RotaryPagedAttention";
+  const bool quantized = !std::is_same_v<P, float>;
+  const std::vector<Tensor> in = inputs(k.api, context, quantized ? 13 : 11);
+  const auto &qkv = in[0], &positions = in[1], &cos = in[2], &sin = in[3], &kc = in[4], &vc = in[5],
+             &slot_mapping = in[6];
+  const int64_t width = k.heads + 2 * k.kv_heads;
+  require(qkv.shape.size() == 2 && qkv.shape[1] % (2 * width) == 0, name,
+          "qkv must be [T, (num_heads + 2 num_kv_heads) * head_dim] with an even head_dim");
+  Shapes s{qkv.shape[0], 0, 0, 0, 0, k.heads, k.kv_heads, qkv.shape[1] / width};
+  const int64_t kv = s.kv_heads * s.hd;
+  require(kc.shape.size() == 2 && kc.shape == vc.shape && kc.shape[1] == kv, name,
+          "kcache and vcache must both be [num_slots, num_kv_heads * head_dim]");
+  s.slots = kc.shape[0];
+  require(cos.shape.size() == 2 && cos.shape == sin.shape && cos.shape[1] == s.hd / 2, name,
+          "cos and sin must be [max_positions, head_dim / 2]");
+  const std::vector<int64_t> per_token{s.tokens};
+  require(positions.shape == per_token && slot_mapping.shape == per_token, name,
+          "positions and slot_mapping must be [T]");
+  require(!quantized || (in[11].shape == std::vector<int64_t>{kv} && in[12].shape == in[11].shape), name,
+          "k_scale and v_scale must be [num_kv_heads * head_dim]");
+  const auto* pos = static_cast<const int64_t*>(positions.data);
+  const auto* slots = static_cast<const int64_t*>(slot_mapping.data);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    require(pos[t] >= 0 && pos[t] < cos.shape[0], name, "a position is beyond the rotary tables (max_seq_len)");
+    require(slots[t] >= 0 && slots[t] < s.slots, name, "slot_mapping holds a slot outside the pool");
+  }
+  float* out = output<float>(k.api, context, 0, {s.tokens, s.heads * s.hd});
+  P* kout = output<P>(k.api, context, 1, kc.shape);
+  P* vout = output<P>(k.api, context, 2, vc.shape);
+  const size_t pool = static_cast<size_t>(s.slots * kv);
+  if (kout != kc.data) std::copy_n(static_cast<const P*>(kc.data), pool, kout);
+  if (vout != vc.data) std::copy_n(static_cast<const P*>(vc.data), pool, vout);
+  const float* k_scale = quantized ? static_cast<const float*>(in[11].data) : nullptr;
+  const float* v_scale = quantized ? static_cast<const float*>(in[12].data) : nullptr;
+  std::vector<float> q(static_cast<size_t>(s.tokens * s.heads * s.hd));
+  RotaryJob<P> job{static_cast<const float*>(qkv.data), static_cast<const float*>(cos.data),
+                   static_cast<const float*>(sin.data), k_scale, v_scale, pos, slots, q.data(), kout, vout,
+                   s.heads, s.kv_heads, s.hd};
+  parallel_for(k.api, context, static_cast<size_t>(s.tokens), rotary_item<P>, &job);
+  attend<P>(k, context, s, q.data(), kout, vout, in[7], in[8], in[9], in[10], out);
+  if (v_scale)
+    for (int64_t t = 0; t < s.tokens; ++t)
+      scale_per_query_head(out + t * s.heads * s.hd, v_scale, s.heads, s.kv_heads, s.hd);
 }
 
 struct PagedAttentionOp : CustomOp {
   const char* name;
   int pool_type;
+  bool rotary;  // RotaryPagedAttention*
 };
 
 void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
   using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
   Api api(table);
-  Kernel kernel{api, 0, 0, 0.0f, 0.0f, static_cast<PagedAttentionOp*>(op)->pool_type};
+  const auto* described = static_cast<PagedAttentionOp*>(op);
+  Kernel kernel{api, 0, 0, 0.0f, 0.0f, described->pool_type, described->rotary};
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_heads", &kernel.heads);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_kv_heads", &kernel.kv_heads);
   api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "scale", &kernel.scale);
@@ -114,15 +230,20 @@ void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) 
   return new Kernel(kernel);
 }
 
+template <typename P>
+void compute_op(const Kernel& k, OrtKernelContext* context) {
+  k.rotary ? compute_rotary<P>(k, context) : compute<P>(k, context);
+}
+
 void kernel_compute(void* opaque, OrtKernelContext* context) {
   const auto& k = *static_cast<Kernel*>(opaque);
-  if (k.pool_type == kFloat) compute<float>(k, context);
-  else if (k.pool_type == kInt8) compute<int8_t>(k, context);
-  else compute<uint8_t>(k, context);
+  if (k.pool_type == kFloat) compute_op<float>(k, context);
+  else if (k.pool_type == kInt8) compute_op<int8_t>(k, context);
+  else compute_op<uint8_t>(k, context);
 }
 
 PagedAttentionOp make_op(const char* name, int pool_type) {
-  PagedAttentionOp op{custom_op_base(), name, pool_type};
+  PagedAttentionOp op{custom_op_base(), name, pool_type, false};
   op.CreateKernel = create_kernel;
   op.GetName = [](CustomOp* o) { return static_cast<PagedAttentionOp*>(o)->name; };
   op.GetInputType = [](CustomOp* o, size_t i) {
@@ -137,11 +258,35 @@ PagedAttentionOp make_op(const char* name, int pool_type) {
   return op;
 }
 
-PagedAttentionOp kOps[3] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionInt8", kInt8),
-                            make_op("PagedAttentionFp8", kUint8)};
+PagedAttentionOp make_rotary_op(const char* name, int pool_type) {
+  PagedAttentionOp op = make_op(name, pool_type);
+  op.rotary = true;
+  op.GetInputType = [](CustomOp* o, size_t i) {
+    static const int types[13] = {kFloat, kInt64, kFloat, kFloat, 0, 0, kInt64, kInt64, kInt64, kBool, kInt64,
+                                  kFloat, kFloat};
+    return i == 4 || i == 5 ? static_cast<PagedAttentionOp*>(o)->pool_type : types[i];
+  };
+  op.GetInputTypeCount = [](CustomOp* o) {
+    return size_t{static_cast<PagedAttentionOp*>(o)->pool_type == kFloat ? 11u : 13u};  // + k_scale, v_scale
+  };
+  op.GetOutputType = [](CustomOp* o, size_t i) {
+    return i == 0 ? static_cast<int>(kFloat) : static_cast<PagedAttentionOp*>(o)->pool_type;
+  };
+  op.GetOutputTypeCount = [](CustomOp*) { return size_t{3}; };
+  return op;
+}
+
+PagedAttentionOp kOps[6] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionInt8", kInt8),
+                            make_op("PagedAttentionFp8", kUint8), make_rotary_op("RotaryPagedAttention", kFloat),
+                            make_rotary_op("RotaryPagedAttentionInt8", kInt8),
+                            make_rotary_op("RotaryPagedAttentionFp8", kUint8)};
 
 }  // namespace
 
-std::vector<CustomOp*> paged_attention_ops() { return {&kOps[0], &kOps[1], &kOps[2]}; }
+std::vector<CustomOp*> paged_attention_ops() {
+  std::vector<CustomOp*> ops;
+  for (PagedAttentionOp& op : kOps) ops.push_back(&op);
+  return ops;
+}
 
 }  // namespace engine_kernels

@@ -142,7 +142,7 @@ def test_inspect_reports_config_versions_plan_and_ops(tiny, monkeypatch, capsys)
     assert code == 0
     for text in ("LlamaForCausalLM", "max_seq_len", "gpt_attention_plugin", "onnxruntime 1.32",
                  "runs here", "KV cache per block (4 tokens)", "weights, rank 0", "rank0.onnx:",
-                 "│ engine.PagedAttention ", "ScatterND", "MatMul"):
+                 "│ engine.RotaryPagedAttention ", "│ engine.SwiGLU ", "MatMul"):
         assert text in out, text
     # Op counts follow the plugin switches: the reference lowering of attention is MatMul + Softmax.
     code, out, _ = cli(monkeypatch, capsys, "inspect", "--engine-dir", str(tiny.engine(LLAMA, plugins=False)))

@@ -132,7 +132,7 @@ def test_inspect_verify_and_eval_json(root, built):
     doc = json_of("inspect", "--engine-dir", engine_dir)
     assert doc["runs_here"] is True and doc["why_not"] is None and doc["digest"] == build_doc["digest"]
     assert doc["config"]["manifest"]["checkpoint_digest"] == build_doc["checkpoint_digest"]
-    assert doc["op_counts"]["rank0.onnx"]["engine.PagedAttention"] == 2  # the tiny Llama has two layers
+    assert doc["op_counts"]["rank0.onnx"]["engine.RotaryPagedAttention"] == 2  # the tiny Llama has two layers
     doc = json_of("verify", "--engine-dir", engine_dir)
     assert doc["mismatch"] is None and doc["error"] is None and doc["files"] == build_doc["files"]
     assert doc["digest"] == build_doc["digest"]

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from engine.core.config import RopeConfig
 from engine.core.errors import EngineError
-from engine.plugins.attention import paged_attention, write_kv
+from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
+from engine.plugins.rotary import rotary_tables
 
 from .runner import assert_close, node_names, run_op
 
@@ -24,6 +26,7 @@ class Step:
     feeds: dict
     contexts: list      # per sequence: pool slots of its context tokens, in position order
     q_rows: list        # per sequence: packed indices of its new tokens
+    positions: np.ndarray   # [T] position of each packed token in its sequence
 
 
 def make_step(rng, seqs, num_kv_heads, head_dim, num_heads, num_blocks=64, window=None) -> Step:
@@ -63,7 +66,7 @@ def make_step(rng, seqs, num_kv_heads, head_dim, num_heads, num_blocks=64, windo
         "slot_mapping": np.array(slots, np.int64),
         "q_index": q_index, "kv_slots": kv_slots, "attn_mask": mask, "out_index": out_index,
     }
-    return Step(feeds, contexts, q_rows)
+    return Step(feeds, contexts, q_rows, np.array(positions, np.int64))
 
 
 def reference(step: Step, num_heads, num_kv_heads, head_dim, scale, softcap, window=None) -> np.ndarray:
@@ -148,6 +151,60 @@ def test_lowerings_agree_with_sliding_window_mask(num_heads, num_kv_heads):
         assert_close(y, expected)
     assert_close(ours[0], ours[1])
     assert_close(ours[0], ours[2])
+
+
+def rotate_half(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, heads: int) -> np.ndarray:
+    """NumPy rotary of x [T, heads*hd] (plugins/rotary.py's formula)."""
+    t, hd = len(x), x.shape[1] // heads
+    x = x.reshape(t, heads, hd)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(t, -1)
+
+
+def rotary_step(rng, seqs, num_heads, num_kv_heads, head_dim):
+    """A step for RotaryPagedAttention, the feeds in its input order, and the expected (out, kcache, vcache)."""
+    step = make_step(rng, seqs, num_kv_heads, head_dim, num_heads)
+    cos, sin = rotary_tables(head_dim, RopeConfig(theta=10000.0), 64)
+    f = step.feeds
+    feeds = {"qkv": np.concatenate([f["q"], f["k"], f["v"]], axis=1), "positions": step.positions, "cos": cos,
+             "sin": sin, **{n: f[n] for n in ("kcache", "vcache", "slot_mapping", "q_index", "kv_slots",
+                                                "attn_mask", "out_index")}}
+    f["q"] = rotate_half(f["q"], step.positions, cos, sin, num_heads)
+    f["k"] = rotate_half(f["k"], step.positions, cos, sin, num_kv_heads)
+    kcache, vcache = f["kcache"].copy(), f["vcache"].copy()
+    kcache[f["slot_mapping"]], vcache[f["slot_mapping"]] = f["k"], f["v"]
+    return step, feeds, (kcache, vcache)
+
+
+def rotary_graph(num_heads, num_kv_heads, scale, softcap):
+    def fn(g, qkv, positions, cos, sin, kcache, vcache, slot_mapping, q_index, kv_slots, attn_mask, out_index):
+        return rotary_paged_attention(g, qkv, positions, cos, sin, kcache, vcache, slot_mapping, q_index=q_index,
+                                      kv_slots=kv_slots, mask=attn_mask, out_index=out_index, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, scale=scale, softcap=softcap,
+                                      name="/model/layers.0/attn/paged_attention")
+    return fn
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (10, 2, 12)])
+@pytest.mark.parametrize("steps", list(STEPS))
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_rotary_paged_attention(num_heads, num_kv_heads, head_dim, steps, softcap):
+    """The fused kernel: rotary of q and k, the K/V rows written, attention; each against NumPy."""
+    step, feeds, (kcache, vcache) = rotary_step(np.random.default_rng(7), STEPS[steps], num_heads, num_kv_heads,
+                                                head_dim)
+    scale = head_dim ** -0.5 * (2.0 if softcap else 1.0)
+    out, k_out, v_out = run_op(rotary_graph(num_heads, num_kv_heads, scale, softcap), feeds, threads=2)
+    assert_close(k_out, kcache)
+    np.testing.assert_array_equal(v_out, vcache)
+    assert_close(out, reference(step, num_heads, num_kv_heads, head_dim, scale, softcap))
+
+
+def test_rotary_paged_attention_rejects_a_position_beyond_the_tables():
+    _, feeds, _ = rotary_step(np.random.default_rng(3), STEPS["decode-one"], 4, 2, 16)
+    feeds["positions"] = feeds["positions"] + 64
+    with pytest.raises(Exception, match="RotaryPagedAttention: a position is beyond the rotary tables"):
+        run_op(rotary_graph(4, 2, 0.25, None), feeds)
 
 
 def test_write_kv_updates_only_the_mapped_slots():

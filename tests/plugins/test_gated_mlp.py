@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.core.errors import EngineError
-from engine.plugins.gated_mlp import gated_mlp
+from engine.plugins.gated_mlp import gate_times_up, gated_mlp
 
 from .runner import assert_close, build, node_names, run_op
 
@@ -30,15 +30,21 @@ def weights(rng, hidden, inter):
     return gate_up, down
 
 
-@pytest.mark.parametrize("plugin", [False, True])
+# the reference (two MatMuls, activation spelled out), the fused projection with ORT's kernels, and with the
+# engine's SwiGLU op (plugins/kernels/swiglu.cc; SiLU only, GELU keeps ORT's)
+LOWERINGS = {"reference": {"plugin": False}, "fused": {"plugin": True}, "kernel": {"plugin": True, "kernel": True}}
+
+
+@pytest.mark.parametrize("lowering", list(LOWERINGS))
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("tokens,hidden,inter", [(1, 16, 32), (5, 64, 128), (17, 576, 1536)])
-def test_gated_mlp(plugin, activation, tokens, hidden, inter):
+@pytest.mark.parametrize("tokens,hidden,inter", [(1, 16, 32), (5, 64, 128), (17, 576, 1536), (3, 8, 13)])
+def test_gated_mlp(lowering, activation, tokens, hidden, inter):
+    """(3, 8, 13): an intermediate size the kernel's 8-lane loop does not tile."""
     rng = np.random.default_rng(10)
     gate_up, down = weights(rng, hidden, inter)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     y = run_op(lambda g, x: gated_mlp(g, x, gate_up, down, activation, name="/model/layers.0/mlp",
-                                      weight_name="layers.0.mlp", plugin=plugin), {"x": x})
+                                      weight_name="layers.0.mlp", **LOWERINGS[lowering]), {"x": x})
     assert_close(y, mlp_ref(x, gate_up, down, activation), rtol=1e-5, atol=2e-5)
 
 
@@ -47,9 +53,20 @@ def test_lowerings_agree(activation):
     rng = np.random.default_rng(11)
     gate_up, down = weights(rng, 48, 96)
     x = (rng.standard_normal((9, 48)) * 3).astype(np.float32)   # wide range: both tails of the activation
-    a, b = (run_op(lambda g, x: gated_mlp(g, x, gate_up, down, activation, name="/m", weight_name="m",
-                                          plugin=p), {"x": x}) for p in (False, True))
+    a, b, c = (run_op(lambda g, x: gated_mlp(g, x, gate_up, down, activation, name="/m", weight_name="m",
+                                             **kwargs), {"x": x}) for kwargs in LOWERINGS.values())
     assert_close(a, b, atol=2e-5)
+    assert_close(a, c, atol=2e-5)
+
+
+def test_swiglu_kernel_over_the_whole_float_range():
+    """The kernel's sigmoid on gates from -200 to 200 (exp(-|g|) flushed below 2^-126), zeros of both signs."""
+    gate = np.concatenate([np.linspace(-200, 200, 997), [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 104.0]])
+    up = np.random.default_rng(12).standard_normal(gate.size)
+    x = np.concatenate([gate, up])[None].astype(np.float32)
+    y = run_op(lambda g, x: gate_times_up(g, g.scope("/m"), x, gate.size, "silu", kernel=True), {"x": x})
+    expected = activation_ref(x[:, :gate.size], "silu") * x[:, gate.size:].astype(np.float64)
+    assert_close(y, expected.astype(np.float32), rtol=1e-6, atol=1e-30)
 
 
 def test_names_and_weight_layout():
@@ -61,6 +78,8 @@ def test_names_and_weight_layout():
     assert inits == {"layers.0.mlp.gate_up.weight": [8, 24], "layers.0.mlp.down.weight": [12, 8]}
     assert node_names(lambda g, x: gated_mlp(g, x, gate_up, down, "silu", name="/m", weight_name="w", plugin=True),
                       feeds) == ["/m/MatMul", "/m/Split", "/m/Sigmoid", "/m/Mul", "/m/Mul_1", "/m/MatMul_1"]
+    assert node_names(lambda g, x: gated_mlp(g, x, gate_up, down, "silu", name="/m", weight_name="w", plugin=True,
+                                             kernel=True), feeds) == ["/m/MatMul", "/m/SwiGLU", "/m/MatMul_1"]
 
 
 def test_rejects_bad_input():

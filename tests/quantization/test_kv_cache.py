@@ -114,6 +114,49 @@ def test_quantized_write_and_gather_match_numpy(lowering, steps, kv):
     assert_close(ours, reference(dequantized, heads, kv_heads, hd, scale, None))
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("steps", ["mixed", "decode-one"])
+def test_fused_rotary_kernel_on_quantized_pools(steps, kv):
+    """RotaryPagedAttention{Int8,Fp8}: the rotated k and the v stored as write_kv stores them (codes within one
+    step of NumPy's: the kernel's float32 rotary may round a value on a code boundary the other way), the output
+    as paged_attention's over the dequantized pools, against the float64 reference of tests/plugins."""
+    from engine.plugins.attention import rotary_paged_attention
+    from tests.plugins.runner import assert_close, run_op
+    from tests.plugins.test_attention import STEPS, reference, rotary_step
+    heads, kv_heads, hd, scale = 8, 2, 32, 32 ** -0.5
+    rng = np.random.default_rng(12)
+    step, feeds, _ = rotary_step(rng, STEPS[steps], heads, kv_heads, hd)
+    f = step.feeds   # q and k rotated
+    ks, vs = (rng.uniform(0.01, 0.05, kv_heads * hd).astype(np.float32) for _ in range(2))
+    make_pool, qdq = POOLS[kv]
+    feeds["kcache"], k_values = make_pool(rng, f["kcache"].shape)
+    feeds["vcache"], v_values = make_pool(rng, f["vcache"].shape)
+
+    def graph(g, qkv, positions, cos, sin, kcache, vcache, slot_mapping, q_index, kv_slots, attn_mask, out_index,
+              k_s, v_s):
+        out, kc, vc = rotary_paged_attention(g, qkv, positions, cos, sin, kcache, vcache, slot_mapping,
+                                             q_index=q_index, kv_slots=kv_slots, mask=attn_mask,
+                                             out_index=out_index, num_heads=heads, num_kv_heads=kv_heads,
+                                             scale=scale, softcap=None, name="/attention", k_scale=k_s, v_scale=v_s,
+                                             kv_dtype=kv)
+        op = g.scope("/pools")   # the runner's outputs are float: the codes, cast (exactly)
+        return out, op("Cast", [kc], to=onnx.TensorProto.FLOAT), op("Cast", [vc], to=onnx.TensorProto.FLOAT)
+
+    out, k_pool, v_pool = run_op(graph, {**feeds, "ks": ks, "vs": vs})
+    values = (lambda c: c) if kv == "int8" else (lambda c: e4m3.VALUES[c.astype(np.uint8)])
+    k_expected, v_expected = k_values.copy(), v_values.copy()
+    stored = {"int8": lambda x, s: np.clip(np.rint(x / s), -128, 127),
+              "fp8": lambda x, s: _to_e4m3(x / s).astype(np.float32)}[kv]   # what qdq multiplies by s
+    k_expected[f["slot_mapping"]], v_expected[f["slot_mapping"]] = stored(f["k"], ks), stored(f["v"], vs)
+    for pool, expected in ((k_pool, k_expected), (v_pool, v_expected)):
+        step_size = 1.0 if kv == "int8" else np.maximum(np.abs(expected) / 8, 2.0 ** -9)
+        assert np.all(np.abs(values(pool) - expected) <= step_size * 1.001)
+        assert np.mean(values(pool) == expected) > 0.99
+    dequantized = dataclasses.replace(step, feeds={**f, "k": qdq(f["k"], ks), "v": qdq(f["v"], vs),
+                                                   "kcache": k_values * ks, "vcache": v_values * vs})
+    assert_close(out, reference(dequantized, heads, kv_heads, hd, scale, None), rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["onnx", "kernel"])
 def test_e4m3_codes_are_ml_dtypes_codes(kernel):
     """plugins/e4m3.encode gives every e4m3 value (at several scales) and random inputs over 8 decades the code
