@@ -16,10 +16,11 @@
 //   out          float [T, heads*hd]          softmax(scale * q.k, softcapped) . v, GQA: head h reads h / group
 // Attributes: num_heads, num_kv_heads (int), scale, softcap (float, 0 = none). Only the T selected rows are
 // computed (padded rows of the plain lowering are never selected); a row that sees no key gets zeros (a real token
-// always sees itself). The math is attention_math.h; ORT's C ABI, ort_abi.h; registration, register.cc.
+// always sees itself). The math is attention_math.h (tokens one at a time) and attention_tiles.h (rows of several
+// tokens, a prefill's); ORT's C ABI, ort_abi.h; registration, register.cc.
 #include <type_traits>
 
-#include "attention_math.h"
+#include "attention_tiles.h"
 #include "ort_abi.h"
 
 namespace engine_kernels {
@@ -43,19 +44,76 @@ struct Job {
   const P *kc, *vc;
   const int64_t *slots, *rows, *queries;
   const bool* mask;
+  float* out;
+  std::vector<Tile> tiles;       // rows with several tokens, in tiles (attention_tiles.h)
+  std::vector<int64_t> tiled;    // the tiles' js, q rows and output rows: three arrays, an entry per tiled token
+  std::vector<int64_t> singles;  // the other packed tokens, attended one at a time in `parts` shares
   int64_t parts;
-  std::vector<float> partials;  // [tokens, kv_heads, parts, partial_size]
+  std::vector<float> partials;   // [singles, kv_heads, parts, partial_size]
 };
 
-// Work item i = (token, KV head, part), run by ORT's intra-op threads.
+// Work item i: (tile, KV head) for the first tiles * kv_heads items, then (single token, KV head, part); run by
+// ORT's intra-op threads.
 template <typename P>
 void run_item(void* opaque, size_t i) {
   auto& j = *static_cast<Job<P>*>(opaque);
-  const int64_t item = static_cast<int64_t>(i), part = item % j.parts, g = item / j.parts % j.s.kv_heads,
-                t = item / j.parts / j.s.kv_heads;
+  int64_t item = static_cast<int64_t>(i);
+  const int64_t tile_items = static_cast<int64_t>(j.tiles.size()) * j.s.kv_heads;
+#ifdef ENGINE_KERNELS_AVX2
+  if (item < tile_items) {
+    thread_local TileScratch scratch;
+    attend_tile(j.s, j.scale, j.softcap, j.q, j.kc, j.vc, j.slots, j.mask, j.tiles[item / j.s.kv_heads],
+                item % j.s.kv_heads, j.out, scratch);
+    return;
+  }
+#endif
+  item -= tile_items;
+  const int64_t part = item % j.parts, g = item / j.parts % j.s.kv_heads,
+                t = j.singles[item / j.parts / j.s.kv_heads];
   thread_local Scratch scratch;
   attend_part(j.s, j.scale, j.softcap, j.q + j.queries[j.rows[t]] * j.s.heads * j.s.hd, j.kc, j.vc, j.slots, j.mask,
               j.rows[t], g, part, j.parts, j.partials.data() + item * partial_size(j.s), scratch);
+}
+
+// Rows with at least kMinTile tokens go in tiles of tile_tokens(s), when the tiles' vector code runs (AVX2 + FMA,
+// a head size that is a multiple of 8); every other token is a single. Tokens in (row, query position) order.
+constexpr int64_t kMinTile = 4;
+
+template <typename P>
+void plan(Job<P>& j) {
+  const Shapes& s = j.s;
+  std::vector<std::pair<int64_t, int64_t>> order;  // (row b * qmax + j, token)
+  for (int64_t t = 0; t < s.tokens; ++t) order.emplace_back(j.rows[t], t);
+  std::sort(order.begin(), order.end());
+#ifdef ENGINE_KERNELS_AVX2
+  const bool tiles = s.hd % 8 == 0;
+  const int64_t per_tile = tile_tokens(s);
+#else
+  const bool tiles = false;
+  const int64_t per_tile = 1;
+#endif
+  std::vector<std::pair<int64_t, int64_t>> cuts;  // [first, last) of each tile in `order`
+  for (size_t a = 0, e = 0; a < order.size(); a = e) {
+    const int64_t b = order[a].first / s.qmax;
+    for (e = a; e < order.size() && order[e].first / s.qmax == b; ++e) {}
+    if (tiles && static_cast<int64_t>(e - a) >= kMinTile) {
+      for (size_t c = a; c < e; c += per_tile) cuts.emplace_back(c, std::min(e, c + per_tile));
+    } else {
+      for (size_t c = a; c < e; ++c) j.singles.push_back(order[c].second);
+    }
+  }
+  const size_t count = order.size() - j.singles.size();
+  j.tiled.resize(3 * count);
+  int64_t *js = j.tiled.data(), *q_rows = js + count, *out_rows = q_rows + count, at = 0;
+  for (auto [first, last] : cuts) {
+    const int64_t b = order[first].first / s.qmax;
+    j.tiles.push_back({b, last - first, js + at, q_rows + at, out_rows + at});
+    for (int64_t c = first; c < last; ++c, ++at) {
+      js[at] = order[c].first % s.qmax;
+      q_rows[at] = j.queries[order[c].first];
+      out_rows[at] = order[c].second;
+    }
+  }
 }
 
 // Attention of the step's T tokens (q [T, heads * hd]) over pools kc, vc [num_slots, kv * hd] already holding
@@ -77,18 +135,22 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
     require(rows[t] >= 0 && rows[t] < s.rows * s.qmax && queries[rows[t]] >= 0 && queries[rows[t]] < s.tokens,
             kName, "out_index or q_index holds an index outside the step");
 
-  Job<P> job{s, k.scale, k.softcap, q, kc, vc, slots, rows, queries, static_cast<const bool*>(mask.data), 1, {}};
-  // Split each token's keys in two when a step has fewer (token, KV head) items than ORT's two-thread pool can
-  // share evenly (a single decode of a model with an odd number of KV heads).
-  const int64_t pairs = s.tokens * s.kv_heads;
-  job.parts = pairs < 4 ? 2 : 1;
+  Job<P> job{s, k.scale, k.softcap, q, kc, vc, slots, rows, queries, static_cast<const bool*>(mask.data), out,
+             {}, {}, {}, 1, {}};
+  plan(job);
+  // Split each single token's keys in two when a step has fewer items than ORT's two-thread pool can share evenly
+  // (a single decode of a model with an odd number of KV heads).
+  const int64_t tile_items = static_cast<int64_t>(job.tiles.size()) * s.kv_heads,
+                pairs = static_cast<int64_t>(job.singles.size()) * s.kv_heads;
+  job.parts = tile_items + pairs < 4 ? 2 : 1;
   job.partials.resize(static_cast<size_t>(pairs * job.parts * partial_size(s)));
-  const size_t items = static_cast<size_t>(pairs * job.parts);
-  parallel_for(k.api, context, items, run_item<P>, &job);
-  for (int64_t t = 0; t < s.tokens; ++t)
+  parallel_for(k.api, context, static_cast<size_t>(tile_items + pairs * job.parts), run_item<P>, &job);
+  for (size_t i = 0; i < job.singles.size(); ++i) {
+    const int64_t t = job.singles[i];
     for (int64_t g = 0; g < s.kv_heads; ++g)
-      combine(s, job.partials.data() + (t * s.kv_heads + g) * job.parts * partial_size(s), job.parts,
-              out + t * s.heads * s.hd + g * s.group() * s.hd);
+      combine(s, job.partials.data() + (static_cast<int64_t>(i) * s.kv_heads + g) * job.parts * partial_size(s),
+              job.parts, out + t * s.heads * s.hd + g * s.group() * s.hd);
+  }
 }
 
 template <typename P>

@@ -113,6 +113,9 @@ STEPS = {
     "decode-one": [(45, 1)],   # the kernel splits its keys over two work items (module docstring of its math)
     "decode-batch": [(9, 1), (40, 1), (1, 1), (17, 1)],
     "mixed": [(30, 30), (61, 1), (37, 12), (5, 1), (16, 4)],   # prefill, decode, chunked prefills
+    # the kernel's prefill tiles (attention_tiles.h): rows of >= 4 tokens in tiles of up to 32 query rows, a short
+    # last tile, a row of 3 tokens attended one by one beside them
+    "tiles": [(100, 75), (50, 3), (41, 33)],
 }
 
 
@@ -165,7 +168,7 @@ def rotate_half(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.n
 def rotary_step(rng, seqs, num_heads, num_kv_heads, head_dim):
     """A step for RotaryPagedAttention, the feeds in its input order, and the expected (out, kcache, vcache)."""
     step = make_step(rng, seqs, num_kv_heads, head_dim, num_heads)
-    cos, sin = rotary_tables(head_dim, RopeConfig(theta=10000.0), 64)
+    cos, sin = rotary_tables(head_dim, RopeConfig(theta=10000.0), 128)
     f = step.feeds
     feeds = {"qkv": np.concatenate([f["q"], f["k"], f["v"]], axis=1), "positions": step.positions, "cos": cos,
              "sin": sin, **{n: f[n] for n in ("kcache", "vcache", "slot_mapping", "q_index", "kv_slots",
@@ -202,7 +205,7 @@ def test_rotary_paged_attention(num_heads, num_kv_heads, head_dim, steps, softca
 
 def test_rotary_paged_attention_rejects_a_position_beyond_the_tables():
     _, feeds, _ = rotary_step(np.random.default_rng(3), STEPS["decode-one"], 4, 2, 16)
-    feeds["positions"] = feeds["positions"] + 64
+    feeds["positions"] = feeds["positions"] + len(feeds["cos"])
     with pytest.raises(Exception, match="RotaryPagedAttention: a position is beyond the rotary tables"):
         run_op(rotary_graph(4, 2, 0.25, None), feeds)
 

@@ -1,0 +1,245 @@
+// Prefill tiles of plugins/kernels/paged_attention.cc: the attention of several consecutive tokens of one row for
+// one KV head in one work item, as small matrix products.
+//
+// attend_part (attention_math.h) takes one token at a time: each score is a dot product ending in a horizontal sum,
+// each item rescans its mask row, and the keys and values are reloaded for every token. A tile of m tokens makes
+// R = m * group query rows that share their keys: the scores S [keys, R] come from one product with the rows held
+// transposed (qt [hd, R]), so each key element is broadcast once into independent 8-row FMA chains and no score
+// needs a horizontal sum; the softmax runs across rows in registers; the weighted sum reads each value row once for
+// several query rows. The tile sees the union of its tokens' keys; a key some of its tokens may not see (a causal
+// tile's last m - 1 keys, a sliding window's first) is masked per row to -inf and then to a weight of exactly 0.
+// Union keys are the row's own context (its tokens' visible keys), so no stale pool row is ever read. AVX2 + FMA
+// and a head size that is a multiple of 8 only; otherwise every token goes through attend_part.
+#pragma once
+
+#include <type_traits>
+
+#include "attention_math.h"
+
+#ifdef ENGINE_KERNELS_AVX2
+namespace engine_kernels {
+
+// Query rows per tile: enough 8-lane chains to keep the FMA units busy, few enough that a tile of a causal
+// prefill wastes little on keys its earlier tokens do not see.
+constexpr int64_t kTileRows = 32;
+
+inline int64_t tile_tokens(const Shapes& s) { return std::max<int64_t>(1, kTileRows / s.group()); }
+
+struct TileScratch {
+  std::vector<int64_t> keys;     // per union key: its row offset in `base` (the pool, or kf/vf when widened)
+  std::vector<int64_t> partial;  // union keys (index i, then context position l) some tile token does not see
+  std::vector<float> kf, vf;     // quantized pools: the union's K and V rows widened to float [n, hd]
+  std::vector<float> qt;         // [hd, rpad] scale * q of the tile's rows, transposed; rows >= R are zero
+  std::vector<float> s;          // [n, rpad] scores, then weights
+  std::vector<float> top, sum;   // [rpad]
+};
+
+namespace simd {
+
+// s[j * rpad + 8w + lane] = k_j . qt[:, 8w + lane] for KB keys and W * 8 rows.
+template <int KB, int W>
+inline void score_tile(const float* qt, int64_t rpad, const float* const* k, int64_t hd, float* s) {
+  __m256 acc[KB][W];
+  ENGINE_UNROLL
+  for (int j = 0; j < KB; ++j)
+    ENGINE_UNROLL
+    for (int w = 0; w < W; ++w) acc[j][w] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < hd; ++d) {
+    __m256 q[W];
+    ENGINE_UNROLL
+    for (int w = 0; w < W; ++w) q[w] = _mm256_loadu_ps(qt + d * rpad + 8 * w);
+    ENGINE_UNROLL
+    for (int j = 0; j < KB; ++j) {
+      const __m256 kd = _mm256_broadcast_ss(k[j] + d);
+      ENGINE_UNROLL
+      for (int w = 0; w < W; ++w) acc[j][w] = _mm256_fmadd_ps(kd, q[w], acc[j][w]);
+    }
+  }
+  ENGINE_UNROLL
+  for (int j = 0; j < KB; ++j)
+    ENGINE_UNROLL
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(s + j * rpad + 8 * w, acc[j][w]);
+}
+
+template <int W>
+inline void score_rows(const float* qt, int64_t rpad, const float* base, const int64_t* keys, int64_t n, int64_t hd,
+                       float* s) {
+  constexpr int KB = 6;
+  int64_t i = 0;
+  for (; i + KB <= n; i += KB) {
+    const float* k[KB];
+    ENGINE_UNROLL
+    for (int j = 0; j < KB; ++j) k[j] = base + keys[i + j];
+    score_tile<KB, W>(qt, rpad, k, hd, s + i * rpad);
+  }
+  for (; i < n; ++i) {
+    const float* k[1] = {base + keys[i]};
+    score_tile<1, W>(qt, rpad, k, hd, s + i * rpad);
+  }
+}
+
+// out_u[0, 8W) = sum_i p[i * rpad + u] * v_i[0, 8W) for NH rows u (out_u = out[u]).
+template <int NH, int W>
+inline void weigh_tile(const float* p, int64_t rpad, const float* base, const int64_t* keys, int64_t n,
+                       float* const* out) {
+  __m256 acc[NH][W];
+  ENGINE_UNROLL
+  for (int u = 0; u < NH; ++u)
+    ENGINE_UNROLL
+    for (int w = 0; w < W; ++w) acc[u][w] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = base + keys[i];
+    __m256 v[W];
+    ENGINE_UNROLL
+    for (int w = 0; w < W; ++w) v[w] = _mm256_loadu_ps(row + 8 * w);
+    ENGINE_UNROLL
+    for (int u = 0; u < NH; ++u) {
+      const __m256 pw = _mm256_broadcast_ss(p + i * rpad + u);
+      ENGINE_UNROLL
+      for (int w = 0; w < W; ++w) acc[u][w] = _mm256_fmadd_ps(pw, v[w], acc[u][w]);
+    }
+  }
+  ENGINE_UNROLL
+  for (int u = 0; u < NH; ++u)
+    ENGINE_UNROLL
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out[u] + 8 * w, acc[u][w]);
+}
+
+template <int NH>
+inline void weigh_rows(const float* p, int64_t rpad, const float* base, const int64_t* keys, int64_t n, int64_t hd,
+                       float* const* out) {
+  for (int64_t c = 0; c < hd; c += 32) {
+    float* o[NH];
+    ENGINE_UNROLL
+    for (int u = 0; u < NH; ++u) o[u] = out[u] + c;
+    switch (std::min<int64_t>(4, (hd - c) / 8)) {
+      case 4: weigh_tile<NH, 4>(p, rpad, base + c, keys, n, o); break;
+      case 3: weigh_tile<NH, 3>(p, rpad, base + c, keys, n, o); break;
+      case 2: weigh_tile<NH, 2>(p, rpad, base + c, keys, n, o); break;
+      default: weigh_tile<NH, 1>(p, rpad, base + c, keys, n, o);
+    }
+  }
+}
+
+// Per row r: top = max_i s[i, r] (0 when the row sees no key), s <- exp(s - top) with -inf scores to exactly 0,
+// sum = sum_i s[i, r]; eight rows at a time.
+inline void softmax_rows(float* s, int64_t n, int64_t rpad, float* top, float* sum) {
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < rpad; r += 8) {
+    __m256 t = minus_inf;
+    for (int64_t i = 0; i < n; ++i) t = _mm256_max_ps(t, _mm256_loadu_ps(s + i * rpad + r));
+    t = _mm256_blendv_ps(t, _mm256_setzero_ps(), _mm256_cmp_ps(t, minus_inf, _CMP_EQ_OQ));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 x = _mm256_loadu_ps(s + i * rpad + r);
+      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ),
+                                        exp_nonpositive(_mm256_sub_ps(x, t)));
+      _mm256_storeu_ps(s + i * rpad + r, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    _mm256_storeu_ps(top + r, t);
+    _mm256_storeu_ps(sum + r, acc);
+  }
+}
+
+}  // namespace simd
+
+// A tile: m packed tokens of row b at its query positions js (ascending), their query rows in q (q_index's
+// entries) and their output rows.
+struct Tile {
+  int64_t b, m;
+  const int64_t *js, *q_rows, *out_rows;
+};
+
+// Tile `t` for KV head g: the output rows of its query heads written directly into out [T, heads * hd]. q
+// [T, heads * hd] is scaled by `scale` here; pools kc, vc.
+template <typename P>
+void attend_tile(const Shapes& s, float scale, float softcap, const float* q, const P* kc, const P* vc,
+                 const int64_t* kv_slots, const bool* mask, const Tile& t, int64_t g, float* out, TileScratch& x) {
+  const int64_t b = t.b, m = t.m;
+  const int64_t* js = t.js;
+  const int64_t group = s.group(), hd = s.hd, kv_width = s.kv_heads * hd, rows = m * group;
+  const int64_t rpad = (rows + 7) / 8 * 8;
+  // The union of the tokens' keys, 32 positions at a time: any token sees it (OR), every token does (AND).
+  x.keys.clear();
+  x.partial.clear();
+  for (int64_t l0 = 0; l0 < s.lmax; l0 += 32) {
+    const int64_t width = std::min<int64_t>(32, s.lmax - l0);
+    uint32_t any = 0, all = ~0u;
+    for (int64_t u = 0; u < m; ++u) {
+      const bool* row = mask + (b * s.qmax + js[u]) * s.lmax + l0;
+      uint32_t bits = 0;
+      if (width == 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpgt_epi8(v, _mm256_setzero_si256())));
+      } else {
+        for (int64_t l = 0; l < width; ++l) bits |= static_cast<uint32_t>(row[l] != 0) << l;
+      }
+      any |= bits, all &= bits;
+    }
+    for (uint32_t rest = any; rest; rest &= rest - 1) {
+      const int64_t l = l0 + __builtin_ctz(rest);
+      if (!(all >> (l - l0) & 1)) x.partial.insert(x.partial.end(), {static_cast<int64_t>(x.keys.size()), l});
+      x.keys.push_back(kv_slots[b * s.lmax + l] * kv_width + g * hd);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(x.keys.size());
+  const float *kbase = nullptr, *vbase = nullptr;
+  if constexpr (std::is_same_v<P, float>) {
+    kbase = kc, vbase = vc;
+  } else {  // widen the union's rows once for all R query rows
+    x.kf.resize(static_cast<size_t>(n * hd));
+    x.vf.resize(static_cast<size_t>(n * hd));
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t d = 0; d < hd; d += 8) {
+        _mm256_storeu_ps(x.kf.data() + i * hd + d, simd::load8(kc + x.keys[i] + d));
+        _mm256_storeu_ps(x.vf.data() + i * hd + d, simd::load8(vc + x.keys[i] + d));
+      }
+      x.keys[i] = i * hd;
+    }
+    kbase = x.kf.data(), vbase = x.vf.data();
+  }
+  // Row r = u * group + h is query head g * group + h of token u.
+  x.qt.assign(static_cast<size_t>(hd * rpad), 0.0f);
+  for (int64_t u = 0; u < m; ++u)
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qr = q + t.q_rows[u] * s.heads * hd + (g * group + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) x.qt[d * rpad + u * group + h] = scale * qr[d];
+    }
+  x.s.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * rpad));
+  float* sc = x.s.data();
+  for (int64_t r = 0; r < rpad; r += 16) {
+    if (rpad - r >= 16) simd::score_rows<2>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+    else simd::score_rows<1>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+  }
+  if (softcap > 0)
+    for (int64_t e = 0; e < n * rpad; ++e) sc[e] = softcap * std::tanh(sc[e] / softcap);
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (size_t p = 0; p < x.partial.size(); p += 2) {
+    const int64_t i = x.partial[p], l = x.partial[p + 1];
+    for (int64_t u = 0; u < m; ++u)
+      if (!mask[(b * s.qmax + js[u]) * s.lmax + l]) std::fill_n(sc + i * rpad + u * group, group, minus_inf);
+  }
+  x.top.resize(static_cast<size_t>(rpad));
+  x.sum.resize(static_cast<size_t>(rpad));
+  simd::softmax_rows(sc, n, rpad, x.top.data(), x.sum.data());
+  for (int64_t r = 0; r < rows; r += 3) {
+    const int64_t nh = std::min<int64_t>(3, rows - r);
+    float* o[3];
+    for (int64_t u = 0; u < nh; ++u) {
+      const int64_t row = r + u;
+      o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
+    }
+    if (nh == 3) simd::weigh_rows<3>(sc + r, rpad, vbase, x.keys.data(), n, hd, o);
+    else if (nh == 2) simd::weigh_rows<2>(sc + r, rpad, vbase, x.keys.data(), n, hd, o);
+    else simd::weigh_rows<1>(sc + r, rpad, vbase, x.keys.data(), n, hd, o);
+    for (int64_t u = 0; u < nh; ++u) {
+      const float total = x.sum[static_cast<size_t>(r + u)];
+      const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros
+      for (int64_t d = 0; d < hd; ++d) o[u][d] *= inv;
+    }
+  }
+}
+
+}  // namespace engine_kernels
+#endif
