@@ -11,10 +11,13 @@
 The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
 Calibrated modes (quantization/calibrate.py) build tp 1 engines (int8_sq on onnxruntime only).
 
-Group size of int8_wo. TensorRT-LLM's int8_wo is per-channel (one scale per output row). MatMulNBits takes
-block sizes 16..256 only (a power of two; 512 and K itself are refused by ORT 1.32's packer), and SmolLM2's in
-features (576, 1536) are not powers of two, so "per-channel" becomes the largest supported group that divides
-every quantized weight's in features (64 on SmolLM2, 256 where K allows).
+Group size of int8_wo: 32, or the largest supported group below it that divides every quantized weight's in
+features. TensorRT-LLM's int8_wo is per-channel (one scale per output row); MatMulNBits takes block sizes 16..256
+only (a power of two), and at accuracy level 4 it also rounds the activations to int8 in blocks of that size, so
+the group sets both roundings. SmolLM2 on an AVX-512 VNNI CPU, perplexity on the build's sampled text: group 64
+(the largest that divides 576 and 1536, the earlier default) +0.99 to +1.11% depending on the attention kernel's
+last-bit rounding (over issue #5's 1%), group 32 +0.50%, group 16 +0.37%; group 32 costs ~4% of decode speed and
+~9% of prefill against 64 (bench/NOTES.md 25).
 
 accuracy_level (MatMulNBits: 0/1 = fp32 compute, true W8A16/W4A16; 4 = activations quantized to int8 per
 block, int8 dot products). Measured on this CPU (2 threads, a busy machine: medians of interleaved runs):
@@ -43,8 +46,9 @@ WEIGHT_ONLY = tuple(BITS)
 IMPLEMENTED = WEIGHT_ONLY + CALIBRATED
 PLANNED = ("w4a8_awq", "nvfp4")
 # int4_wo: 32, GGUF's Q4 block; a float32 scale per 32 weights (1/8 byte each) keeps the int4 engine under
-# 0.18x the fp32 one. int8_wo: the largest group that fits (see above).
+# 0.18x the fp32 one. int8_wo: the largest group up to INT8_WO_MAX_GROUP_SIZE that fits (see above).
 DEFAULT_GROUP_SIZE = {"int4_wo": 32}
+INT8_WO_MAX_GROUP_SIZE = 32
 AWQ_MAX_GROUP_SIZE = 128  # ModelOpt's INT4_AWQ_CFG block size
 ACCURACY_LEVELS = (0, 1, 4)
 DEFAULT_ACCURACY_LEVEL = 4
@@ -88,7 +92,7 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
     ks = quantized_in_features(model, tp, quant.quantize_lm_head)
     group = quant.group_size or DEFAULT_GROUP_SIZE.get(quant.mode)
     if group is None:
-        fitting = [s for s in GROUP_SIZES if all(k % s == 0 for k in ks.values())]
+        fitting = [s for s in GROUP_SIZES if s <= INT8_WO_MAX_GROUP_SIZE and all(k % s == 0 for k in ks.values())]
         if not fitting:
             raise EngineError(f"no supported group size ({', '.join(map(str, GROUP_SIZES))}) divides the in "
                               f"features {sorted(set(ks.values()))} of this model; it cannot be quantized with "

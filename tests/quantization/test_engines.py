@@ -73,7 +73,7 @@ def test_matmulnbits_engine_matches_dequantize_reference_engine(tiny, mode):
     np.testing.assert_allclose(fused_decode, ref_decode, atol=1e-4 * np.abs(ref_decode).max())
 
 
-@pytest.mark.parametrize("mode,bits,group", [("int8_wo", 8, 64), ("int4_wo", 4, 32)])
+@pytest.mark.parametrize("mode,bits,group", [("int8_wo", 8, 32), ("int4_wo", 4, 32)])
 def test_stored_tensors_are_quantized_and_reproducible(tiny, mode, bits, group):
     key = "LlamaForCausalLM"
     engine = quant_engine(tiny, key, mode)

@@ -7,11 +7,13 @@ int8_wo (group 16..64, accuracy level 0 or 4) and int4_wo (its kept Q4_1 blocks,
 "L'Étoile, ..." free-running. So the answer is checked teacher-forced (after "The capital of France is" the engine
 says " Paris").
 
-Perplexity targets: on text the model samples itself, int8_wo measured +0.7%, int4_wo +0.41%. This checkpoint's
-layers are already Q4_1 blocks (the offline GGUF): int4_wo keeps them exactly (quantization/weight_only.block_grid;
-what is left is accuracy_level 4's int8 activations), where RTN onto a second, symmetric 4-bit grid measured +58%.
-Size: the kept blocks carry a float32 offset per 32 weights beside their float16 scale (5.5 bits per weight; Q4_1
-itself has 5), so the int4 engine with lm_head int4 is 0.179x the float32 one (the issue asks 0.18x).
+Perplexity targets: on text the model samples itself, int8_wo (groups of 32) measured +0.50%, int4_wo +0.41%;
+int8_wo with groups of 64 read +0.7% on a Zen 1 runner and +0.99 to +1.11% on a Zen 4 one (quantization/modes.py).
+This checkpoint's layers are already Q4_1 blocks (the offline GGUF): int4_wo keeps them exactly
+(quantization/weight_only.block_grid; what is left is accuracy_level 4's int8 activations), where RTN onto a second,
+symmetric 4-bit grid measured +58%. Size: the kept blocks carry a float32 offset per 32 weights beside their float16
+scale (5.5 bits per weight; Q4_1 itself has 5), so the int4 engine with lm_head int4 is 0.179x the float32 one (the
+issue asks 0.18x).
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
 """quantization.weight_only and modes: ORT's packer against the NumPy RTN reference; bad group sizes and modes."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -68,8 +70,10 @@ def test_resolve_defaults_and_checks():
     m = ModelConfig("LlamaForCausalLM", vocab_size=512, hidden_size=576, num_layers=1, num_heads=9,
                     num_kv_heads=3, head_dim=64, intermediate_size=1536, norm_eps=1e-5,
                     max_position_embeddings=256)
-    # int8_wo: the largest supported group dividing 576 and 1536
-    assert modes.resolve(QuantConfig(mode="int8_wo"), m, 1).group_size == 64
+    # int8_wo: the largest supported group up to 32 dividing every in feature (576, 1536: 32; 48: 16)
+    assert modes.resolve(QuantConfig(mode="int8_wo"), m, 1).group_size == 32
+    assert modes.resolve(QuantConfig(mode="int8_wo"), replace(m, hidden_size=48, num_heads=3, num_kv_heads=1,
+                                                                head_dim=16), 1).group_size == 16
     r = modes.resolve(QuantConfig(mode="int4_wo"), m, 1)
     assert (r.group_size, r.accuracy_level) == (32, 4)
     assert modes.resolve(QuantConfig(), m, 1) == QuantConfig()
