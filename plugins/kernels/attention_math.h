@@ -180,26 +180,26 @@ void score_heads(const float* q, const P* kc, const std::vector<int64_t>& visibl
   }
 }
 
-// out_u[0, 8W) = sum_i p_u[i] * v_i[0, 8W) for NH query heads (p_u = p + u * n, out_u = out + u * stride): each
-// value chunk is read once for all heads, into NH * W independent accumulators.
-template <int NH, int W, typename P>
-inline void weighted_chunk(const float* p, const std::vector<int64_t>& visible, const P* v, float* out,
-                           int64_t stride) {
-  const int64_t n = static_cast<int64_t>(visible.size());
+// out_u[0, 8W) = sum_i p[u * pu + i * pi] * v_i[0, 8W) for NH rows u (query heads of a token, or a tile's rows),
+// v_i = v + keys[i]: each value chunk is read once for all rows, into NH * W independent accumulators. Stream:
+// the rows come from memory (a decode's pool rows), so they are prefetched AHEAD keys on.
+template <int NH, int W, bool Stream, typename P>
+inline void weighted_chunk(const float* p, int64_t pu, int64_t pi, const int64_t* keys, int64_t n, const P* v,
+                           float* const* out) {
   __m256 acc[NH][W];
   ENGINE_UNROLL
   for (int u = 0; u < NH; ++u)
     ENGINE_UNROLL
     for (int w = 0; w < W; ++w) acc[u][w] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    if (i + AHEAD < n) prefetch(v + visible[i + AHEAD], 32 * W * static_cast<int64_t>(sizeof(P)));
-    const P* row = v + visible[i];
+    if (Stream && i + AHEAD < n) prefetch(v + keys[i + AHEAD], 32 * W * static_cast<int64_t>(sizeof(P)));
+    const P* row = v + keys[i];
     __m256 vv[W];
     ENGINE_UNROLL
     for (int w = 0; w < W; ++w) vv[w] = load8(row + 8 * w);
     ENGINE_UNROLL
     for (int u = 0; u < NH; ++u) {
-      __m256 pw = _mm256_set1_ps(p[u * n + i]);
+      const __m256 pw = _mm256_broadcast_ss(p + u * pu + i * pi);
       ENGINE_UNROLL
       for (int w = 0; w < W; ++w) acc[u][w] = _mm256_fmadd_ps(pw, vv[w], acc[u][w]);
     }
@@ -207,18 +207,22 @@ inline void weighted_chunk(const float* p, const std::vector<int64_t>& visible, 
   ENGINE_UNROLL
   for (int u = 0; u < NH; ++u)
     ENGINE_UNROLL
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + u * stride + 8 * w, acc[u][w]);
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out[u] + 8 * w, acc[u][w]);
 }
 
-template <int NH, typename P>
-void weighted_heads(const float* p, const std::vector<int64_t>& visible, const P* v, int64_t hd, float* out,
-                    int64_t stride) {
+// weighted_chunk over the head size, 32 channels at a time.
+template <int NH, bool Stream, typename P>
+void weighted_rows(const float* p, int64_t pu, int64_t pi, const int64_t* keys, int64_t n, const P* v, int64_t hd,
+                   float* const* out) {
   for (int64_t c = 0; c < hd; c += 32) {
+    float* o[NH];
+    ENGINE_UNROLL
+    for (int u = 0; u < NH; ++u) o[u] = out[u] + c;
     switch (std::min<int64_t>(4, (hd - c) / 8)) {
-      case 4: weighted_chunk<NH, 4>(p, visible, v + c, out + c, stride); break;
-      case 3: weighted_chunk<NH, 3>(p, visible, v + c, out + c, stride); break;
-      case 2: weighted_chunk<NH, 2>(p, visible, v + c, out + c, stride); break;
-      default: weighted_chunk<NH, 1>(p, visible, v + c, out + c, stride);
+      case 4: weighted_chunk<NH, 4, Stream>(p, pu, pi, keys, n, v + c, o); break;
+      case 3: weighted_chunk<NH, 3, Stream>(p, pu, pi, keys, n, v + c, o); break;
+      case 2: weighted_chunk<NH, 2, Stream>(p, pu, pi, keys, n, v + c, o); break;
+      default: weighted_chunk<NH, 1, Stream>(p, pu, pi, keys, n, v + c, o);
     }
   }
 }
@@ -307,9 +311,11 @@ void attend_part(const Shapes& s, float scale, float softcap, const float* q, co
     }
     if (vectorized) {
 #ifdef ENGINE_KERNELS_AVX2
-      if (nh == 3) simd::weighted_heads<3>(p, x.visible, vc, hd, out + h * stride, stride);
-      else if (nh == 2) simd::weighted_heads<2>(p, x.visible, vc, hd, out + h * stride, stride);
-      else simd::weighted_heads<1>(p, x.visible, vc, hd, out + h * stride, stride);
+      float* o[3];
+      for (int64_t u = 0; u < nh; ++u) o[u] = out + (h + u) * stride;
+      if (nh == 3) simd::weighted_rows<3, true>(p, n, 1, x.visible.data(), n, vc, hd, o);
+      else if (nh == 2) simd::weighted_rows<2, true>(p, n, 1, x.visible.data(), n, vc, hd, o);
+      else simd::weighted_rows<1, true>(p, n, 1, x.visible.data(), n, vc, hd, o);
 #endif
     } else {
       for (int64_t u = 0; u < nh; ++u) {

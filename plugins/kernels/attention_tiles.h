@@ -78,49 +78,6 @@ inline void score_rows(const float* qt, int64_t rpad, const float* base, const i
   }
 }
 
-// out_u[0, 8W) = sum_i p[i * rpad + u] * v_i[0, 8W) for NH rows u (out_u = out[u]).
-template <int NH, int W>
-inline void weigh_tile(const float* p, int64_t rpad, const float* base, const int64_t* keys, int64_t n,
-                       float* const* out) {
-  __m256 acc[NH][W];
-  ENGINE_UNROLL
-  for (int u = 0; u < NH; ++u)
-    ENGINE_UNROLL
-    for (int w = 0; w < W; ++w) acc[u][w] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = base + keys[i];
-    __m256 v[W];
-    ENGINE_UNROLL
-    for (int w = 0; w < W; ++w) v[w] = _mm256_loadu_ps(row + 8 * w);
-    ENGINE_UNROLL
-    for (int u = 0; u < NH; ++u) {
-      const __m256 pw = _mm256_broadcast_ss(p + i * rpad + u);
-      ENGINE_UNROLL
-      for (int w = 0; w < W; ++w) acc[u][w] = _mm256_fmadd_ps(pw, v[w], acc[u][w]);
-    }
-  }
-  ENGINE_UNROLL
-  for (int u = 0; u < NH; ++u)
-    ENGINE_UNROLL
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out[u] + 8 * w, acc[u][w]);
-}
-
-template <int NH>
-inline void weigh_rows(const float* p, int64_t rpad, const float* base, const int64_t* keys, int64_t n, int64_t hd,
-                       float* const* out) {
-  for (int64_t c = 0; c < hd; c += 32) {
-    float* o[NH];
-    ENGINE_UNROLL
-    for (int u = 0; u < NH; ++u) o[u] = out[u] + c;
-    switch (std::min<int64_t>(4, (hd - c) / 8)) {
-      case 4: weigh_tile<NH, 4>(p, rpad, base + c, keys, n, o); break;
-      case 3: weigh_tile<NH, 3>(p, rpad, base + c, keys, n, o); break;
-      case 2: weigh_tile<NH, 2>(p, rpad, base + c, keys, n, o); break;
-      default: weigh_tile<NH, 1>(p, rpad, base + c, keys, n, o);
-    }
-  }
-}
-
 // Per row r: top = max_i s[i, r] (0 when the row sees no key), s <- exp(s - top) with -inf scores to exactly 0,
 // sum = sum_i s[i, r]; eight rows at a time.
 inline void softmax_rows(float* s, int64_t n, int64_t rpad, float* top, float* sum) {
@@ -230,9 +187,9 @@ void attend_tile(const Shapes& s, float scale, float softcap, const float* q, co
       const int64_t row = r + u;
       o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
     }
-    if (nh == 3) simd::weigh_rows<3>(sc + r, rpad, vbase, x.keys.data(), n, hd, o);
-    else if (nh == 2) simd::weigh_rows<2>(sc + r, rpad, vbase, x.keys.data(), n, hd, o);
-    else simd::weigh_rows<1>(sc + r, rpad, vbase, x.keys.data(), n, hd, o);
+    if (nh == 3) simd::weighted_rows<3, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    else if (nh == 2) simd::weighted_rows<2, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    else simd::weighted_rows<1, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
     for (int64_t u = 0; u < nh; ++u) {
       const float total = x.sum[static_cast<size_t>(r + u)];
       const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros
