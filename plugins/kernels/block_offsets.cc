@@ -6,8 +6,16 @@
 //   1 y        float [T, N]          MatMulNBits' output
 //   2 offsets  float [K / group, N]  m of block b of output column n at [b, n]
 //   out        float [T, N]          y + sums @ offsets,  sums[t, b] = x[t, b * group : (b + 1) * group].sum()
-// Attribute: group_size (int). Items (a row of T, a chunk of N columns) run on ORT's intra-op threads.
+// Attribute: group_size (int). Items (up to kRows rows of T, a chunk of N columns) run on ORT's intra-op threads.
+// With AVX2 + FMA each output tile (rows x 16 to 64 columns) stays in registers while the offsets rows stream past it,
+// each offsets load serving every row of the item; otherwise plain loops.
 #include <algorithm>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ENGINE_BLOCK_OFFSETS_AVX2 1
+#endif
 
 #include "ort_abi.h"
 
@@ -15,6 +23,7 @@ namespace engine_kernels {
 namespace {
 
 constexpr const char* kName = "BlockOffsets";
+constexpr int64_t kRows = 4;
 constexpr int64_t kColumns = 1024;  // columns per work item: a lone decode row still spreads over the threads
 
 struct OffsetsKernel {
@@ -25,22 +34,79 @@ struct OffsetsKernel {
 struct OffsetsJob {
   const float *x, *y, *offsets;
   float* out;
-  int64_t k, n, group, chunks;
+  int64_t tokens, k, n, group, chunks;
 };
+
+#ifdef ENGINE_BLOCK_OFFSETS_AVX2
+// out_r[c, c + 8W) = y_r[c, c + 8W) + sum_b sums[r * blocks + b] * offsets[b, c, c + 8W), b in order, for R rows.
+template <int R, int W>
+inline void offsets_tile(const float* sums, int64_t blocks, const float* offsets, int64_t n, const float* y,
+                         float* out, int64_t c) {
+  __m256 acc[R][W];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm256_loadu_ps(y + r * n + c + 8 * w);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 m[W];
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) m[w] = _mm256_loadu_ps(offsets + b * n + c + 8 * w);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_broadcast_ss(sums + r * blocks + b);
+#pragma GCC unroll 8
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(s, m[w], acc[r][w]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + r * n + c + 8 * w, acc[r][w]);
+}
+
+// At least 8 accumulators (independent FMA chains over the blocks) per tile, whatever the rows.
+template <int R>
+int64_t offsets_columns(const float* sums, int64_t blocks, const float* offsets, int64_t n, const float* y,
+                        float* out, int64_t c0, int64_t c1) {
+  constexpr int W = R == 1 ? 8 : R == 2 ? 4 : 2;
+  int64_t c = c0;
+  for (; c + 8 * W <= c1; c += 8 * W) offsets_tile<R, W>(sums, blocks, offsets, n, y, out, c);
+  for (; c + 8 <= c1; c += 8) offsets_tile<R, 1>(sums, blocks, offsets, n, y, out, c);
+  return c;
+}
+#endif
 
 void offsets_item(void* opaque, size_t i) {
   const auto& j = *static_cast<const OffsetsJob*>(opaque);
-  const int64_t t = static_cast<int64_t>(i) / j.chunks, c0 = static_cast<int64_t>(i) % j.chunks * kColumns;
-  const int64_t c1 = std::min(j.n, c0 + kColumns);
-  const float* x = j.x + t * j.k;
-  float* __restrict__ out = j.out + t * j.n;
-  std::copy(j.y + t * j.n + c0, j.y + t * j.n + c1, out + c0);
-  for (int64_t b = 0; b < j.k / j.group; ++b) {
-    float sum = 0;
-    for (int64_t e = b * j.group; e < (b + 1) * j.group; ++e) sum += x[e];
-    const float* __restrict__ m = j.offsets + b * j.n;
-    for (int64_t c = c0; c < c1; ++c) out[c] += sum * m[c];
+  const int64_t t0 = static_cast<int64_t>(i) / j.chunks * kRows, rows = std::min(kRows, j.tokens - t0);
+  const int64_t c0 = static_cast<int64_t>(i) % j.chunks * kColumns, c1 = std::min(j.n, c0 + kColumns);
+  const int64_t blocks = j.k / j.group;
+  thread_local std::vector<float> sums;  // [rows, blocks]
+  sums.resize(static_cast<size_t>(rows * blocks));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* x = j.x + (t0 + r) * j.k + b * j.group;
+      float sum = 0;
+      for (int64_t e = 0; e < j.group; ++e) sum += x[e];
+      sums[static_cast<size_t>(r * blocks + b)] = sum;
+    }
+  const float* y = j.y + t0 * j.n;
+  float* out = j.out + t0 * j.n;
+  int64_t c = c0;
+#ifdef ENGINE_BLOCK_OFFSETS_AVX2
+  switch (rows) {
+    case 4: c = offsets_columns<4>(sums.data(), blocks, j.offsets, j.n, y, out, c0, c1); break;
+    case 3: c = offsets_columns<3>(sums.data(), blocks, j.offsets, j.n, y, out, c0, c1); break;
+    case 2: c = offsets_columns<2>(sums.data(), blocks, j.offsets, j.n, y, out, c0, c1); break;
+    default: c = offsets_columns<1>(sums.data(), blocks, j.offsets, j.n, y, out, c0, c1);
   }
+#endif
+  for (int64_t r = 0; r < rows; ++r)  // the columns left (all of them without AVX2)
+    for (int64_t cc = c; cc < c1; ++cc) {
+      float acc = y[r * j.n + cc];
+      for (int64_t b = 0; b < blocks; ++b) acc += sums[static_cast<size_t>(r * blocks + b)] * j.offsets[b * j.n + cc];
+      out[r * j.n + cc] = acc;
+    }
 }
 
 void compute(void* opaque, OrtKernelContext* context) {
@@ -54,8 +120,10 @@ void compute(void* opaque, OrtKernelContext* context) {
           "offsets must be [K / group_size, N]");
   float* out = output<float>(kernel.api, context, 0, {tokens, n});
   OffsetsJob job{static_cast<const float*>(x.data), static_cast<const float*>(y.data),
-                 static_cast<const float*>(offsets.data), out, k, n, kernel.group, (n + kColumns - 1) / kColumns};
-  parallel_for(kernel.api, context, static_cast<size_t>(tokens * job.chunks), offsets_item, &job);
+                 static_cast<const float*>(offsets.data), out, tokens, k, n, kernel.group,
+                 (n + kColumns - 1) / kColumns};
+  const int64_t row_groups = (tokens + kRows - 1) / kRows;
+  parallel_for(kernel.api, context, static_cast<size_t>(row_groups * job.chunks), offsets_item, &job);
 }
 
 void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {

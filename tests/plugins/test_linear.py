@@ -49,7 +49,7 @@ def test_linear_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["onnx", "kernel"])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 5, 19])   # 19: the kernel's rows in groups of 8, the last short
 def test_kept_4_bit_blocks_with_offsets_match_numpy(kernel, tokens):
     """A weight on GGUF Q4_1's grid (per block of 32: d * q + m) is kept exactly; its offsets m are added by
     Reshape + ReduceSum + MatMul + Add, or by the engine's BlockOffsets op (plugins/kernels/block_offsets.cc)."""
