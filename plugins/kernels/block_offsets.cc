@@ -12,12 +12,8 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define ENGINE_BLOCK_OFFSETS_AVX2 1
-#endif
-
 #include "ort_abi.h"
+#include "simd.h"
 
 namespace engine_kernels {
 namespace {
@@ -37,30 +33,30 @@ struct OffsetsJob {
   int64_t tokens, k, n, group, chunks;
 };
 
-#ifdef ENGINE_BLOCK_OFFSETS_AVX2
+#ifdef ENGINE_KERNELS_AVX2
 // out_r[c, c + 8W) = y_r[c, c + 8W) + sum_b sums[r * blocks + b] * offsets[b, c, c + 8W), b in order, for R rows.
 template <int R, int W>
 inline void offsets_tile(const float* sums, int64_t blocks, const float* offsets, int64_t n, const float* y,
                          float* out, int64_t c) {
   __m256 acc[R][W];
-#pragma GCC unroll 8
+  ENGINE_UNROLL
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
+    ENGINE_UNROLL
     for (int w = 0; w < W; ++w) acc[r][w] = _mm256_loadu_ps(y + r * n + c + 8 * w);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 m[W];
-#pragma GCC unroll 8
+    ENGINE_UNROLL
     for (int w = 0; w < W; ++w) m[w] = _mm256_loadu_ps(offsets + b * n + c + 8 * w);
-#pragma GCC unroll 8
+    ENGINE_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_broadcast_ss(sums + r * blocks + b);
-#pragma GCC unroll 8
+      ENGINE_UNROLL
       for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(s, m[w], acc[r][w]);
     }
   }
-#pragma GCC unroll 8
+  ENGINE_UNROLL
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
+    ENGINE_UNROLL
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + r * n + c + 8 * w, acc[r][w]);
 }
 
@@ -93,7 +89,7 @@ void offsets_item(void* opaque, size_t i) {
   const float* y = j.y + t0 * j.n;
   float* out = j.out + t0 * j.n;
   int64_t c = c0;
-#ifdef ENGINE_BLOCK_OFFSETS_AVX2
+#ifdef ENGINE_KERNELS_AVX2
   switch (rows) {
     case 4: c = offsets_columns<4>(sums.data(), blocks, j.offsets, j.n, y, out, c0, c1); break;
     case 3: c = offsets_columns<3>(sums.data(), blocks, j.offsets, j.n, y, out, c0, c1); break;
