@@ -326,7 +326,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
     config = EngineConfig(
         model=ckpt.model, build=build, build_flags=dict(build_flags or {}), plugins=plugins,
         mapping=Mapping(world_size=build.tp_size, tp_size=build.tp_size, pp_size=1),
-        quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant),
+        quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant, plugins),
         precision=precision_of(ckpt, build, quant), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
     kv_quantized = build.kv_cache_dtype != "float32"

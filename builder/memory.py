@@ -3,7 +3,8 @@
     weights per rank      every initializer of the rank's graph at its stored precision: float32 tensors, the
                           rotary tables, and weight-only quantized projections as packed integers plus one
                           float32 scale per group (a tied embedding quantized with lm_head is stored once,
-                          plus a second copy of its scales that the gather reads)
+                          plus a second copy of its scales that the gather reads), or as the engine's
+                          QuantMatMul packs them when the build runs them so (`plugins`)
     KV per token          layers x (K + V) x kv_heads_per_rank x head_dim x kv dtype bytes (float32 4, int8 1;
                           the int8 scales are weights: 2 x kv_size float32 per layer, counted with them)
     activations (peak)    one step at max_num_tokens: the widest per-token tensors alive at once, plus the
@@ -17,9 +18,10 @@ from __future__ import annotations
 import math
 
 from engine.core.config import ModelConfig, QuantConfig
-from engine.core.engine_config import BuildConfig, MemoryPlan
+from engine.core.engine_config import BuildConfig, MemoryPlan, PluginConfig
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
+from engine.plugins import quant_matmul
 from engine.quantization import calibrated, kv_cache
 from engine.quantization.weight_only import BITS, stored_bytes
 
@@ -37,14 +39,22 @@ QUANTIZED_PROJECTIONS = ("attention.q", "attention.k", "attention.v", "attention
                          "mlp.down")
 
 
-def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None) -> int:
+def repacked(quant: QuantConfig, plugins: PluginConfig | None) -> bool:
+    """Whether the build runs its weight-only quantized projections as QuantMatMul (plugins/linear.py)."""
+    return (plugins is not None and plugins.engine_kernels_plugin and plugins.weight_only_quant_matmul_plugin
+            and quant.group_size is not None and quant_matmul.supported(quant.group_size, quant.accuracy_level or 0))
+
+
+def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None,
+                      plugins: PluginConfig | None = None) -> int:
     """Bytes of one rank's initializers as stored (see the module docstring)."""
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
         return rank_weight_elements(model, tp, max_seq_len) * compute
     group = quant.group_size
     if quant.mode in calibrated.CALIBRATED:
-        return _calibrated_bytes(model, tp, max_seq_len, quant)
+        return _calibrated_bytes(model, tp, max_seq_len, quant, repacked(quant, plugins))
+    packed = repacked(quant, plugins)
     bits = BITS[quant.mode]
     quantized = set(QUANTIZED_PROJECTIONS) | ({"lm_head"} if quant.quantize_lm_head else set())
     shapes = logical_shapes(model)
@@ -58,6 +68,8 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
         if tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight":
             n, k = rows_cols
             total += stored_bytes(n, k, bits, group) + n * (k // group) * compute  # + the gather's scales
+        elif kind == "weight" and stem in quantized and packed:
+            total += quant_matmul.stored_bytes(*rows_cols, bits, group)
         elif kind == "weight" and stem in quantized:
             offsets = quant.source_grid and stem != "lm_head"   # layers kept on their grid (weight_only.block_grid)
             total += stored_bytes(*rows_cols, bits, group, offsets)
@@ -66,16 +78,21 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     return total
 
 
-def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig) -> int:
-    """Calibrated modes: packed projections at their precision (quantization/calibrated.py); a tied embedding with
-    a quantized lm_head reads the lm_head's table."""
+def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig, packed: bool) -> int:
+    """Calibrated modes: packed projections at their precision (quantization/calibrated.py; int4_awq's as
+    QuantMatMul's when `packed`); a tied embedding with a quantized lm_head reads the lm_head's table."""
     compute = DTYPE_BYTES["float32"]
     total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
     h, inter = model.hidden_size, model.intermediate_size
-    packed = [(model.q_size + 2 * model.kv_size, h), (h, model.q_size), (2 * inter, h), (h, inter)]
-    for n, k in packed:  # int4_awq layers that keep the checkpoint's blocks store them as int4_wo does
-        total += model.num_layers * (stored_bytes(n, k, 4, quant.group_size, True) if quant.source_grid else
-                                     calibrated.stored_bytes(quant.mode, n, k, quant.group_size))
+    shapes = [(model.q_size + 2 * model.kv_size, h), (h, model.q_size), (2 * inter, h), (h, inter)]
+    for n, k in shapes:  # int4_awq layers that keep the checkpoint's blocks store them as int4_wo does
+        if packed and quant.mode == "int4_awq":
+            one = quant_matmul.stored_bytes(n, k, 4, quant.group_size) + (0 if quant.source_grid else 4 * k)
+        elif quant.source_grid:
+            one = stored_bytes(n, k, 4, quant.group_size, True)
+        else:
+            one = calibrated.stored_bytes(quant.mode, n, k, quant.group_size)
+        total += model.num_layers * one
     for name, shape in logical_shapes(model).items():
         _, stem, kind = split_name(name)
         if stem in QUANTIZED_PROJECTIONS and kind == "weight":
@@ -91,7 +108,8 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     return total
 
 
-def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | None = None) -> MemoryPlan:
+def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | None = None,
+                plugins: PluginConfig | None = None) -> MemoryPlan:
     tp = build.tp_size
     compute = DTYPE_BYTES["float32"]  # ORT CPU computes in float32 whatever the checkpoint stores
     kv_bytes = kv_cache.BYTES[build.kv_cache_dtype]  # int8: 1 byte, 4x the tokens of float32 in the same memory
@@ -108,7 +126,7 @@ def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | Non
     gathered_kv = 2 * min(build.max_batch_size, tokens) * build.max_seq_len * kv_size
     logits = min(build.max_batch_size, tokens) * padded_vocab_size(model, tp) // tp
     activation = compute * (tokens * widest + scores + gathered_kv + logits)
-    weights = rank_weight_bytes(model, tp, build.max_seq_len, quant)
+    weights = rank_weight_bytes(model, tp, build.max_seq_len, quant, plugins)
     if build.kv_cache_dtype != "float32":
         weights += model.num_layers * 2 * kv_size * compute  # the K and V scales, per axis of a pool row
     return MemoryPlan(weight_bytes_per_rank=(weights,) * tp, activation_bytes=activation,

@@ -182,7 +182,7 @@ def build_command(
         table.add_column("item")
         table.add_column("size", justify="right")
         quant = resolve_quant(requested, checkpoint_dir, ckpt, build.tp_size, build.backend)
-        rows = plan_rows(memory_plan(ckpt.model, build, quant), build)
+        rows = plan_rows(memory_plan(ckpt.model, build, quant, plugins), build)
         if as_json:
             print_json("build", {"dry_run": True, "build": build, "memory_plan": dict(rows)})
             return

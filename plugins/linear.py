@@ -9,6 +9,10 @@ it builds; the caller names the initializers by their canonical tensor names.
 Quantized (`scheme` given; quantization/weight_only.py quantizes, scales stored next to their weight as
 "{stem}.weights_scaling_factor", TensorRT-LLM's name):
 
+    plugin=True, kernel=True, accuracy level 4 on a CPU with AVX-512 VNNI (plugins/quant_matmul.supported):
+                   x ──engine QuantMatMul(blocks [N/16, K/g, 64 + g*16*bits/8] uint8)──▶ (+bias) y
+                   one pass over the weights, scales (and a kept block's offsets) inside the blocks; measured on
+                   SmolLM2 at 2 threads: 1.7x MatMulNBits + BlockOffsets at one token, 2.5x at 512 (bench/NOTES.md)
     plugin=True:   x ──com.microsoft MatMulNBits(packed [N, K/g, g*bits/8] uint8, scales [N, K/g])──▶ (+bias) y
     plugin=False:  DequantizeLinear(q [K, N] int4|int8, scales [K/g, N], axis=0, block_size=g) ──▶ W^T
                    x ──MatMul(W^T)──▶ (+bias) y          (the opset-21 blocked reference, dequantized per call)
@@ -37,6 +41,7 @@ from onnx import TensorProto
 
 from engine.builder.graph import ENGINE_DOMAIN, MS_DOMAIN, Graph
 from engine.core.errors import EngineError
+from engine.plugins import quant_matmul
 from engine.quantization.weight_only import QuantizedWeight, WeightOnlyScheme, quantize, signed_values
 
 
@@ -84,6 +89,10 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
     n, k = q.shape
     op = g.scope(name)
     scales = scale_name_for(weight_name)
+    if plugin and kernel and not shared and quant_matmul.supported(q.group_size, accuracy_level):
+        y = op("QuantMatMul", [x, g.weight(weight_name, quant_matmul.pack(q))], domain=ENGINE_DOMAIN, N=n,
+               bits=q.bits, group_size=q.group_size, offsets=int(q.offsets is not None))
+        return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
     if plugin:
         if not shared:
             g.weight(weight_name, q.packed)

@@ -59,6 +59,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (with BW): the int8 dot products of QuantMatMul (kernels/quant_matmul.cc)."""
+    flags = _cpu_flags().split()
+    return "avx512_vnni" in flags and "avx512bw" in flags
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine") / "kernels"
 

@@ -17,7 +17,8 @@ bytes are exactly what ORT's MatMulNBits and GatherBlockQuantized kernels read:
 `dequantize` is the NumPy reference every lowering is tested against. Knows nothing of ONNX graphs.
 
 Weights already on a 4-bit grid (`block_grid`): a checkpoint converted from a GGUF Q4_1 file holds, in every block
-of 32 input features, at most 16 values d * q + m (q in 0..15, d and m float16 per block). RTN onto any grid with
+of 32 input features, at most 16 values d * q + m (q in 0..15, d and m float16 per block; `block_grid` checks
+both). RTN onto any grid with
 an integer zero point moves them (~8% RMS weight error on SmolLM2, +44-58% perplexity); `block_grid` keeps them
 exactly:
 
@@ -134,6 +135,8 @@ def block_grid(weight: np.ndarray, group_size: int) -> QuantizedWeight | None:
     # on the grid up to the float32 rounding of the checkpoint's values (a d that is no float16 is off by ~1e-3 d)
     error = np.abs(q * step[..., None] + low[..., None] - blocks).max(initial=0.0)
     if q.max(initial=0) > 15 or error > 1e-3 * max(step.max(initial=0), 1e-30):
+        return None
+    if not (low.astype(np.float16).astype(np.float64) == low).all():   # GGUF's m is a float16 too
         return None
     q = q.astype(np.uint8).reshape(n, k // group_size, group_size)
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)

@@ -186,5 +186,6 @@ std::vector<CustomOp*> paged_attention_ops();
 std::vector<CustomOp*> block_offsets_ops();
 std::vector<CustomOp*> e4m3_encode_ops();
 std::vector<CustomOp*> swiglu_ops();
+std::vector<CustomOp*> quant_matmul_ops();
 
 }  // namespace engine_kernels

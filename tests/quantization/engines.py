@@ -15,10 +15,32 @@ import numpy as np
 
 from engine.builder.build import build_engine
 from engine.core.config import QuantConfig
+from engine.plugins import quant_matmul
 from engine.quantization.accuracy import AccuracyOptions
 from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, TinyEngines, slug
 
 LOGITS_RELATIVE_RMS = {"int8_wo": 0.03, "int4_wo": 0.25}
+# Where the CPU has AVX-512 VNNI the layers' weight-only projections run as the engine's QuantMatMul, elsewhere as
+# MatMulNBits (plugins/linear.py); a quantized lm_head that shares its table with a tied embedding stays MatMulNBits.
+REPACKED = quant_matmul.supported(32, 4)
+PROJECTION_OP = "engine.QuantMatMul" if REPACKED else "com.microsoft.MatMulNBits"
+
+
+def weight_only_matmuls(counts: dict[str, int]) -> int:
+    """QuantMatMul and MatMulNBits nodes of op_counts(): the graph's weight-only quantized projections."""
+    return counts.get("engine.QuantMatMul", 0) + counts.get("com.microsoft.MatMulNBits", 0)
+
+
+def stored_projection(inits: dict, stem: str, n: int, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q uint8 [N, K], scales [N, K/G]) of a weight-only projection as the engine stores it, either layout."""
+    from onnx import numpy_helper
+    from engine.quantization.weight_only import QuantizedWeight, unpack
+    packed = numpy_helper.to_array(inits[f"{stem}.weight"])
+    if REPACKED:
+        values, scales, _ = quant_matmul.unpack_blocks(packed, n, bits, group, offsets=False)
+        return values, scales
+    scales = numpy_helper.to_array(inits[f"{stem}.weights_scaling_factor"])
+    return unpack(QuantizedWeight(packed, scales, bits, group)), scales
 NO_REPORT = AccuracyOptions(eval_tokens=0)
 
 

@@ -30,7 +30,7 @@ from tests.builder.test_engine_dir import cli
 from tests.tiny_models import TINY_CONFIGS, _CORPUS
 
 from .calibrated_engines import CALIBRATED_TOLERANCE, TINY_CALIBRATION, calibrated_engine
-from .engines import relative_rms
+from .engines import PROJECTION_OP, REPACKED, relative_rms
 
 MODES = list(CALIBRATED_TOLERANCE)
 LLAMA, TIED, QWEN2 = "LlamaForCausalLM", "LlamaForCausalLM:llama3-rope-tied", "Qwen2ForCausalLM"
@@ -115,7 +115,7 @@ def test_int8_sq_activation_scales_are_per_token(tiny):
 # mode -> (stored dtype of a projection's weight, kernel op and its count per layer, bytes per weight element)
 KERNELS = {"int8_sq": (onnx.TensorProto.UINT8, {"MatMulInteger": 4, "QuantizeLinear": 4}, 1.0),
            "fp8": (onnx.TensorProto.FLOAT8E4M3FN, {"QuantizeLinear": 4, "DequantizeLinear": 8}, 1.0),
-           "int4_awq": (onnx.TensorProto.UINT8, {"com.microsoft.MatMulNBits": 4}, 0.5)}
+           "int4_awq": (onnx.TensorProto.UINT8, {PROJECTION_OP: 4}, 0.5)}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -131,11 +131,14 @@ def test_stored_tensors_have_the_quantized_dtype_and_size(tiny, mode):
         for proj in ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.down"):
             w = inits[f"layers.{i}.{proj}.weight"]
             assert w.data_type == dtype
+            assert (f"layers.{i}.{proj}.prequant_scaling_factor" in inits) == (mode != "fp8")
+            if mode == "int4_awq" and REPACKED:   # QuantMatMul's blocks: 64 bytes of scales, then 16 x group x 4 bits
+                assert w.dims[2] == 64 + 8 * config.quantization.group_size
+                continue
             raw = len(onnx.numpy_helper.to_array(w).tobytes())
             elements = int(np.prod(w.dims)) * (2 if mode == "int4_awq" else 1)
             assert raw == elements * per_element
             assert f"layers.{i}.{proj}.weights_scaling_factor" in inits
-            assert (f"layers.{i}.{proj}.prequant_scaling_factor" in inits) == (mode != "fp8")
     assert inits["vocab_embedding.weight"].data_type == onnx.TensorProto.FLOAT
     assert inits["lm_head.weight"].data_type == onnx.TensorProto.FLOAT
     counts = op_counts(engine / "rank0.onnx")
@@ -157,8 +160,8 @@ def test_quantized_lm_head_shares_its_table_with_a_tied_embedding(tiny, mode):
     engine = calibrated_engine(tiny, TIED, mode, lm_head=True)
     dtype, kernels, _ = KERNELS[mode]
     counts = op_counts(engine / "rank0.onnx")
-    for op, per_layer in kernels.items():
-        assert counts[op] == 2 * per_layer + per_layer // 4, counts     # + the lm_head
+    for op, per_layer in kernels.items():   # + the lm_head, MatMulNBits when it shares its table (int4_awq)
+        assert counts[op] + (op == PROJECTION_OP and REPACKED) == 2 * per_layer + per_layer // 4, counts
     inits = {t.name: t for t in onnx.load(str(engine / "rank0.onnx"), load_external_data=False).graph.initializer}
     assert inits["lm_head.weight"].data_type == dtype
     # int8_sq / int4_awq: the embedding reads the lm_head's table; fp8: ONNX Gather takes no float8, it stays float32

@@ -17,7 +17,7 @@ from engine.runtime.step_inputs import SeqChunk
 from engine.quantization.weight_only import rtn_scales
 from tests.builder.engines import engine_greedy, prompts
 
-from .engines import LOGITS_RELATIVE_RMS, quant_engine, relative_rms
+from .engines import LOGITS_RELATIVE_RMS, PROJECTION_OP, REPACKED, quant_engine, relative_rms, stored_projection
 
 KEYS = ["LlamaForCausalLM", "LlamaForCausalLM:llama3-rope-tied", "Qwen2ForCausalLM", "Gemma2ForCausalLM"]
 MODES = ["int8_wo", "int4_wo"]
@@ -55,7 +55,8 @@ def test_lm_head_quantized_tied_embedding_within_tolerance(tiny, mode):
     assert relative_rms(quant, ref) <= LOGITS_RELATIVE_RMS[mode]
     counts = op_counts(quant_engine(tiny, key, mode, lm_head=True) / "rank0.onnx")
     assert counts.get("com.microsoft.GatherBlockQuantized") == 1
-    assert counts.get("com.microsoft.MatMulNBits") == 2 * 4 + 1     # 4 projections a layer + lm_head
+    assert counts.get(PROJECTION_OP) == 2 * 4 + (not REPACKED)     # 4 projections a layer (+ lm_head)
+    assert counts.get("com.microsoft.MatMulNBits") == 2 * 4 * (not REPACKED) + 1    # the tied lm_head
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -87,17 +88,18 @@ def test_stored_tensors_are_quantized_and_reproducible(tiny, mode, bits, group):
         for proj in ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.down"):
             w = ckpt[f"layers.{i}.{proj}.weight"].astype(np.float32)
             n, k = w.shape
-            packed = inits[f"layers.{i}.{proj}.weight"]
-            assert packed.data_type == onnx.TensorProto.UINT8
-            assert list(packed.dims) == [n, k // group, group * bits // 8]
-            assert len(numpy_helper.to_array(packed).tobytes()) == n * k * bits // 8
-            scales = numpy_helper.to_array(inits[f"layers.{i}.{proj}.weights_scaling_factor"])
+            assert inits[f"layers.{i}.{proj}.weight"].data_type == onnx.TensorProto.UINT8
+            values, scales = stored_projection(inits, f"layers.{i}.{proj}", n, bits, group)
+            assert values.shape == (n, k) and values.max() < 2**bits
             np.testing.assert_array_equal(scales, rtn_scales(w, bits, group))
+            dequantized = (values.astype(np.float32) - 2 ** (bits - 1)).reshape(n, k // group, group)
+            np.testing.assert_allclose((dequantized * scales[..., None]).reshape(n, k), w,   # one step: +zp clips
+                                       atol=float(np.abs(scales).max()) * 1.0001)
     # embeddings and lm_head stay float32 by default
     assert inits["vocab_embedding.weight"].data_type == onnx.TensorProto.FLOAT
     assert inits["lm_head.weight"].data_type == onnx.TensorProto.FLOAT
     counts = op_counts(engine / "rank0.onnx")
-    assert counts["com.microsoft.MatMulNBits"] == 2 * 4
+    assert counts[PROJECTION_OP] == 2 * 4
     # the memory plan counts weights at their stored precision
     data = (engine / "rank0.onnx.data").stat().st_size
     assert data <= config.memory.weight_bytes_per_rank[0] <= data * 1.05

@@ -24,7 +24,7 @@ from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, prompts
 from tests.tiny_models import make_tiny_model
 
 from .calibrated_engines import TINY_CALIBRATION
-from .engines import NO_REPORT, relative_rms
+from .engines import NO_REPORT, REPACKED, relative_rms, weight_only_matmuls
 from .test_calibrated import _plan_matches_stored_bytes
 from .test_engines import _logits
 
@@ -105,7 +105,7 @@ def test_plan_counts_the_offsets(grid_checkpoint):
     quant = QuantConfig(mode="int4_wo", group_size=32, accuracy_level=4, source_grid=True)
     graph = build_graph(ckpt.model, rank_tensors(grid_checkpoint, ckpt, 1, 0), TEST_BUILD, ALL_PLUGINS, 1, quant)
     actual = sum(len(t.raw_data) for t in graph.initializers if not t.name.startswith("/model/constants/"))
-    assert memory_plan(ckpt.model, TEST_BUILD, quant).weight_bytes_per_rank == (actual,)
+    assert memory_plan(ckpt.model, TEST_BUILD, quant, ALL_PLUGINS).weight_bytes_per_rank == (actual,)
 
 
 def test_random_checkpoint_keeps_rtn(tiny, tmp_path):
@@ -125,8 +125,9 @@ def test_int4_awq_on_the_grid_calibrates_lm_head_only(grid_checkpoint, tmp_path)
     inits = {t.name for t in onnx_initializers(engine)}
     assert "lm_head.prequant_scaling_factor" in inits             # AWQ's input scale of lm_head
     assert not any(n.startswith("layers.") and n.endswith("prequant_scaling_factor") for n in inits)
-    assert "layers.0.attention.qkv.weights_offset" in inits        # the layers' blocks, kept
-    assert op_counts(engine / "rank0.onnx")["com.microsoft.MatMulNBits"] == 2 * 4 + 1
+    # the layers' blocks, kept: their offsets beside them, or in QuantMatMul's blocks
+    assert ("layers.0.attention.qkv.weights_offset" in inits) == (not REPACKED)
+    assert weight_only_matmuls(op_counts(engine / "rank0.onnx")) == 2 * 4 + 1
     _plan_matches_stored_bytes(engine)
 
 

@@ -1,0 +1,108 @@
+"""The engine's QuantMatMul (plugins/kernels/quant_matmul.cc): a quantized weight repacked for int8 dot products.
+
+    x [T, K] ──engine QuantMatMul(blocks uint8 [N/16, K/G, 64 + G * 16 * bits / 8])──▶ [T, N]
+
+It computes what MatMulNBits at accuracy level 4 computes (activations rounded to int8 per block of G), and adds a
+kept Q4_1 block's offsets in the same pass: every block of a column holds d * q + m with q unsigned, so
+
+    m = -zero_point * d            (RTN weights: quantization/weight_only.py; implied, not stored)
+    m = offsets - zero_point * d   (kept blocks: their offsets are the block's value at q = zero_point; stored as
+                                    the float16 it is, GGUF's Q4_1 m, beside the float16 d)
+
+`pack` lays out 16 columns (a tile) by one block: a 64-byte header of scales, then 256 (4-bit) or 512 (8-bit)
+bytes per 32 K values, in the order vpdpbusd reads them (the kernel's header draws it). Each tile's blocks follow
+one another, so a tile is one stream of bytes. It runs once, at build time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.plugins import native
+from engine.quantization.weight_only import QuantizedWeight, unpack
+
+LANES = 16  # columns per tile
+SUB = 32    # K values per sub-block
+HEADER = 64  # bytes of scales per tile and block
+
+
+def supported(group_size: int, accuracy_level: int) -> bool:
+    """Whether weights in groups of `group_size` at `accuracy_level` run as QuantMatMul: it computes what
+    MatMulNBits does at level 4 (activations rounded to int8) in blocks of whole sub-blocks, and only where the CPU
+    has the int8 dot products it is written for (elsewhere its plain loops would be slower than MatMulNBits)."""
+    return accuracy_level == 4 and group_size % SUB == 0 and native.has_vnni()
+
+
+def stored_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> int:
+    """Bytes of one packed weight: whole tiles of 16 columns, a 4-byte scale (or two float16s) per column and block."""
+    columns = -(-out_features // LANES) * LANES
+    return columns * (in_features * bits // 8 + in_features // group_size * (HEADER // LANES))
+
+
+def _half_offsets(q: QuantizedWeight) -> np.ndarray:
+    """m = offsets - zero_point * d of kept blocks: the float16 values block_grid found (up to the float32 rounding
+    of the offsets)."""
+    m = q.offsets.astype(np.float64) - q.zero_point * q.scales.astype(np.float64)
+    half = m.astype(np.float16)
+    if not (np.abs(half.astype(np.float64) - m) <= np.abs(q.offsets.astype(np.float64)) * 2.0**-23).all():
+        raise AssertionError("block_grid keeps only blocks whose minima are float16 values")
+    return half
+
+
+def pack(q: QuantizedWeight) -> np.ndarray:
+    """The blocks uint8 [N/16, K/G, 64 + G * 16 * bits / 8] of `q` (module docstring)."""
+    n, k = q.shape
+    tiles, groups, subs = -(-n // LANES), k // q.group_size, q.group_size // SUB
+    values = np.zeros((tiles * LANES, k), dtype=np.uint8)
+    values[:n] = unpack(q)
+    # [tile, column j, block, sub-block, register i, e], k = G block + 32 sub + 4 i + e -> [tile, block, sub, i, j, e]
+    v = values.reshape(tiles, LANES, groups, subs, 8, 4).transpose(0, 2, 3, 4, 1, 5)
+    if q.bits == 4:  # register l (< 4) holds k = 4 l + e in its low nibbles and 16 + 4 l + e in its high ones
+        v = v[:, :, :, :4] | (v[:, :, :, 4:] << 4)
+    if q.offsets is None:
+        header = _tiles(q.scales.astype(np.float32), tiles)
+    else:
+        header = np.concatenate([_tiles(q.scales.astype(np.float16), tiles),
+                                 _tiles(_half_offsets(q), tiles)], axis=-1)
+    return np.concatenate([header.view(np.uint8), v.reshape(tiles, groups, -1)], axis=-1)
+
+
+def unpack_blocks(blocks: np.ndarray, n: int, bits: int, group_size: int,
+                  offsets: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """What `pack` stored: (q uint8 [N, K], d float32 [N, K/G], m float32 [N, K/G] of kept blocks or None)."""
+    tiles, groups, _ = blocks.shape
+    header = np.ascontiguousarray(blocks[:, :, :HEADER])
+    body = blocks[:, :, HEADER:].reshape(tiles, groups, group_size // SUB, -1, LANES, 4)   # [t, b, s, i, j, e]
+    if bits == 4:
+        body = np.concatenate([body & 0x0F, body >> 4], axis=3)
+    values = body.transpose(0, 4, 1, 2, 3, 5).reshape(tiles * LANES, -1)[:n]
+
+    def columns(per_tile: np.ndarray) -> np.ndarray:   # [N/16, K/G, 16] -> [N, K/G]
+        return per_tile.astype(np.float32).transpose(0, 2, 1).reshape(tiles * LANES, groups)[:n]
+
+    if not offsets:
+        return values, columns(header.view(np.float32)), None
+    half = header.view(np.float16)
+    return values, columns(half[..., :LANES]), columns(half[..., LANES:])
+
+
+def _tiles(per_block: np.ndarray, tiles: int) -> np.ndarray:
+    """[N, K/G] -> [N/16, K/G, 16], zero columns padding the last tile."""
+    padded = np.zeros((tiles * LANES, per_block.shape[1]), dtype=per_block.dtype)
+    padded[: per_block.shape[0]] = per_block
+    return np.ascontiguousarray(padded.reshape(tiles, LANES, -1).transpose(0, 2, 1))
+
+
+def reference(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
+    """What QuantMatMul computes, in float64 from its rounded activations: the tests' reference lowering."""
+    n, k = q.shape
+    g = q.group_size
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, k // g, g)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    qa = np.rint(blocks * inv)
+    da = (amax / np.float32(127)).astype(np.float32)
+    d = q.scales.astype(np.float64)
+    m = -q.zero_point * d + (q.offsets if q.offsets is not None else 0)
+    w = unpack(q).astype(np.float64).reshape(n, k // g, g) * d[:, :, None] + m[:, :, None]
+    return np.einsum("tbg,nbg->tn", qa * da.astype(np.float64), w).astype(np.float32)

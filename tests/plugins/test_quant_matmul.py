@@ -1,0 +1,100 @@
+"""plugins.quant_matmul: the engine's QuantMatMul op against its float64 reference, against MatMulNBits (the op it
+replaces) and in its plain loops (the CPUs without AVX-512 VNNI) as well as its vector code."""
+import numpy as np
+import pytest
+
+from engine.builder.graph import ENGINE_DOMAIN
+from engine.plugins import native, quant_matmul
+from engine.plugins.linear import quantized_linear
+from engine.quantization.weight_only import (QuantizedWeight, WeightOnlyScheme, block_grid, dequantize, quantize,
+                                             unpack)
+
+from .runner import assert_close, run_op
+
+
+def q4_1_weight(n: int, k: int, seed: int) -> QuantizedWeight:
+    """A weight on GGUF Q4_1's grid (d, m float16 per block of 32, every block spanning q = 0..15), kept."""
+    rng = np.random.default_rng(seed)
+    d = rng.uniform(0.001, 0.01, (n, k // 32, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.05, 0.0, (n, k // 32, 1)).astype(np.float16).astype(np.float32)
+    codes = rng.integers(0, 16, (n, k // 32, 32))
+    codes[..., 0], codes[..., 1] = 0, 15
+    q = block_grid((codes * d + m).reshape(n, k).astype(np.float32), 32)
+    assert q is not None and q.offsets is not None
+    return q
+
+
+def rtn_weight(n: int, k: int, bits: int, group: int, seed: int) -> QuantizedWeight:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return quantize(w, WeightOnlyScheme(bits, group, accuracy_level=4))
+
+
+def quant_matmul_op(x: np.ndarray, q: QuantizedWeight, threads: int = 2) -> np.ndarray:
+    n, _ = q.shape
+    return run_op(lambda g, xs: g.scope("/proj")("QuantMatMul", [xs, g.weight("proj.weight", quant_matmul.pack(q))],
+                                                 domain=ENGINE_DOMAIN, N=n, bits=q.bits, group_size=q.group_size,
+                                                 offsets=int(q.offsets is not None)), {"x": x}, threads=threads)
+
+
+WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40: the last tile of 16 columns is partial
+    "q4_1": lambda n, k: q4_1_weight(n, k, 1),
+    "int4_g32": lambda n, k: rtn_weight(n, k, 4, 32, 2),
+    "int8_g32": lambda n, k: rtn_weight(n, k, 8, 32, 3),
+    "int4_g128": lambda n, k: rtn_weight(n, k, 4, 128, 4),
+    "int8_g64": lambda n, k: rtn_weight(n, k, 8, 64, 5),
+}
+
+
+@pytest.mark.parametrize("weight", sorted(WEIGHTS))
+@pytest.mark.parametrize("tokens", [1, 3, 6, 70])   # rows in groups of 4 (a short last group), chunks of 64 rows
+def test_matches_float64_reference(weight, tokens):
+    q = WEIGHTS[weight](40, 256)
+    x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
+    x[0, :32] = 0   # a block of zeros: scale 0, nothing added
+    expected = quant_matmul.reference(x, q)
+    assert_close(quant_matmul_op(x, q), expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_matches_matmulnbits_at_accuracy_level_4(bits, tokens):
+    """The op it replaces rounds the activations to int8 the same way: equal up to float summation order."""
+    q = rtn_weight(96, 128, bits, 32, 7)
+    x = np.random.default_rng(8).standard_normal((tokens, 128)).astype(np.float32)
+    nbits = run_op(lambda g, xs: quantized_linear(g, xs, q, None, name="/proj", weight_name="proj.weight",
+                                                  accuracy_level=4), {"x": x})
+    assert_close(quant_matmul_op(x, q), nbits, rtol=1e-5, atol=1e-5 * float(np.abs(nbits).max()))
+
+
+def test_reference_is_close_to_the_exact_product():
+    """The reference itself: int8 activations per block cost well under 1% of the exact float product."""
+    q = q4_1_weight(64, 256, 9)
+    x = np.random.default_rng(10).standard_normal((5, 256)).astype(np.float32)
+    exact = x.astype(np.float64) @ dequantize(q).astype(np.float64).T
+    error = np.abs(quant_matmul.reference(x, q) - exact).max() / np.abs(exact).max()
+    assert 1e-5 < error < 1e-2
+
+
+@pytest.mark.parametrize("weight", ["q4_1", "int4_g32", "int8_g64"])
+def test_pack_round_trips(weight):
+    q = WEIGHTS[weight](40, 256)
+    values, d, m = quant_matmul.unpack_blocks(quant_matmul.pack(q), 40, q.bits, q.group_size, q.offsets is not None)
+    np.testing.assert_array_equal(values, unpack(q))
+    np.testing.assert_array_equal(d, q.scales)
+    if q.offsets is None:
+        assert m is None
+    else:   # the float16 minima block_grid found: offsets = m + 8 d up to the offsets' float32 rounding
+        np.testing.assert_allclose(m + 8 * d, q.offsets, rtol=2**-22, atol=0)
+
+
+def test_plain_loops_match_the_vector_code(tmp_path, monkeypatch):
+    """The kernel library compiled without AVX-512 VNNI (as on CPUs without it) computes the same."""
+    q, x = WEIGHTS["q4_1"](40, 256), np.random.default_rng(11).standard_normal((6, 256)).astype(np.float32)
+    q8 = WEIGHTS["int8_g64"](40, 256)
+    vector = quant_matmul_op(x, q), quant_matmul_op(x, q8)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512vnni"])
+    plain = quant_matmul_op(x, q), quant_matmul_op(x, q8)
+    assert native.library().is_relative_to(tmp_path)
+    for a, b in zip(plain, vector):
+        assert_close(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
