@@ -274,7 +274,7 @@ class _Builder:
         else:
             normed, hidden = add_rms_norm(g, pending, hidden, self.norm_weight(w + "attn_norm.weight"), m.norm_eps,
                                           name=f"{pre}/input_layernorm", weight_name=w + "attn_norm.weight",
-                                          plugin=p.rmsnorm_plugin)
+                                          plugin=p.rmsnorm_plugin, kernel=p.engine_kernels_plugin)
         bias = self.take(w + "attention.qkv.bias") if m.qkv_bias else None
         qkv = self.proj(normed, w + "attention.qkv.weight", f"{pre}/attn/qkv_proj", bias)
         attn = self.attention(i, qkv, rope)
@@ -286,7 +286,7 @@ class _Builder:
                            plugin=p.rmsnorm_plugin, whole_rows=True)
         normed, hidden = add_rms_norm(g, out, hidden, self.norm_weight(w + "mlp_norm.weight"), m.norm_eps,
                                       name=f"{pre}/pre_feedforward_layernorm", weight_name=w + "mlp_norm.weight",
-                                      plugin=p.rmsnorm_plugin)
+                                      plugin=p.rmsnorm_plugin, kernel=p.engine_kernels_plugin)
         mlp = self.mlp(normed, w, f"{pre}/mlp")
         mlp = self.all_reduce(mlp, f"{pre}/mlp/down_proj")
         if m.sandwich_norms:

@@ -10,13 +10,14 @@ Gemma's (1 + w) offset is folded into `weight` by the caller. The same op serves
 Lowerings: `plugin=False` spells the formula in standard ops (Mul, ReduceMean, Add, Sqrt, Div, Mul);
 `plugin=True` is the standard opset-23 RMSNormalization (one ORT kernel, 2x the reference; as fast as ORT's
 contrib SimplifiedLayerNormalization and, unlike it, a standard op other backends parse). With the residual add
-it is Add + RMSNormalization: ORT's fused SkipSimplifiedLayerNormalization measured slower (bench/plugins.py).
+it is Add + RMSNormalization (ORT's fused SkipSimplifiedLayerNormalization measured slower: bench/plugins.py), or
+with `kernel=True` the engine's AddRMSNorm (plugins/kernels/add_rms_norm.cc): one node instead of two.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from engine.builder.graph import Graph, Scope
+from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
 
 
@@ -36,11 +37,14 @@ def rms_norm(g: Graph, x: str, weight: np.ndarray, eps: float, *, name: str, wei
 
 
 def add_rms_norm(g: Graph, x: str, residual: str, weight: np.ndarray, eps: float, *, name: str,
-                 weight_name: str, plugin: bool) -> tuple[str, str]:
+                 weight_name: str, plugin: bool, kernel: bool = False) -> tuple[str, str]:
     """Returns (rms_norm(x + residual), x + residual); x, residual [T, len(weight)]."""
     _check(weight, weight_name)
     op = g.scope(name)
     w = g.weight(weight_name, np.asarray(weight, dtype=np.float32))
+    if plugin and kernel:
+        normed, total = op("AddRMSNorm", [x, residual, w], outputs=2, domain=ENGINE_DOMAIN, epsilon=float(eps))
+        return normed, total
     # ORT's fused com.microsoft SkipSimplifiedLayerNormalization measured 1.4-1.7x slower than Add followed by
     # RMSNormalization on its CPU provider (bench/plugins.py), so the plugin is the two-kernel form.
     total = op("Add", [x, residual])

@@ -187,5 +187,6 @@ std::vector<CustomOp*> block_offsets_ops();
 std::vector<CustomOp*> e4m3_encode_ops();
 std::vector<CustomOp*> swiglu_ops();
 std::vector<CustomOp*> quant_matmul_ops();
+std::vector<CustomOp*> add_rms_norm_ops();
 
 }  // namespace engine_kernels

@@ -42,14 +42,15 @@ def test_rms_norm_per_head(plugin, tokens, heads, head_dim):
     assert_close(y, rms_ref(x, w, 1e-6))
 
 
-@pytest.mark.parametrize("plugin", [False, True])
-@pytest.mark.parametrize("tokens,hidden", [(1, 16), (5, 64), (40, 576)])
-def test_add_rms_norm(plugin, tokens, hidden):
+@pytest.mark.parametrize("plugin,kernel", [(False, False), (True, False), (True, True)],
+                         ids=["reference", "ort", "kernel"])
+@pytest.mark.parametrize("tokens,hidden", [(1, 16), (5, 64), (40, 576), (3, 37)])  # 37: a tail past the vectors
+def test_add_rms_norm(plugin, kernel, tokens, hidden):
     rng = np.random.default_rng(3)
     x, r, w = random(rng, tokens, hidden), random(rng, tokens, hidden, scale=4.0), random(rng, hidden)
     y, total = run_op(lambda g, x, r: add_rms_norm(g, x, r, w, 1e-5, name="/model/layers.1/post_attention_layernorm",
-                                                   weight_name="layers.1.mlp_norm.weight", plugin=plugin),
-                      {"x": x, "r": r})
+                                                   weight_name="layers.1.mlp_norm.weight", plugin=plugin,
+                                                   kernel=kernel), {"x": x, "r": r}, threads=2)
     assert_close(total, x + r)
     assert_close(y, rms_ref(x + r, w, 1e-5))
 
@@ -72,6 +73,10 @@ def test_node_names():
     names = node_names(lambda g, x, r: add_rms_norm(g, x, r, w, 1e-6, name="/s", weight_name="s.weight", plugin=True),
                        {"x": np.zeros((2, 8), np.float32), "r": np.zeros((2, 8), np.float32)})
     assert names == ["/s/Add", "/s/RMSNormalization"]
+    names = node_names(lambda g, x, r: add_rms_norm(g, x, r, w, 1e-6, name="/s", weight_name="s.weight", plugin=True,
+                                                    kernel=True),
+                       {"x": np.zeros((2, 8), np.float32), "r": np.zeros((2, 8), np.float32)})
+    assert names == ["/s/AddRMSNorm"]
 
 
 def test_rejects_matrix_weight():
