@@ -65,7 +65,9 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     for name, shape in shapes.items():
         rows_cols = rank_shape(name, shape, model, tp)
         _, stem, kind = split_name(name)
-        if tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight":
+        if tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight" and packed:
+            total += quant_matmul.stored_bytes(*rows_cols, bits, group)   # read by QuantGather and QuantMatMul
+        elif tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight":
             n, k = rows_cols
             total += stored_bytes(n, k, bits, group) + n * (k // group) * compute  # + the gather's scales
         elif kind == "weight" and stem in quantized and packed:
@@ -85,13 +87,19 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
     h, inter = model.hidden_size, model.intermediate_size
     shapes = [(model.q_size + 2 * model.kv_size, h), (h, model.q_size), (2 * inter, h), (h, inter)]
+    awq_packed = packed and quant.mode == "int4_awq"
+
+    def projection(n: int, k: int) -> int:   # values, scales and the AWQ / SmoothQuant input scale
+        if awq_packed:
+            return quant_matmul.stored_bytes(n, k, 4, quant.group_size) + 4 * k
+        return calibrated.stored_bytes(quant.mode, n, k, quant.group_size)
+
     for n, k in shapes:  # int4_awq layers that keep the checkpoint's blocks store them as int4_wo does
-        if packed and quant.mode == "int4_awq":
-            one = quant_matmul.stored_bytes(n, k, 4, quant.group_size) + (0 if quant.source_grid else 4 * k)
-        elif quant.source_grid:
-            one = stored_bytes(n, k, 4, quant.group_size, True)
+        if quant.source_grid:
+            one = quant_matmul.stored_bytes(n, k, 4, quant.group_size) if awq_packed else \
+                stored_bytes(n, k, 4, quant.group_size, True)
         else:
-            one = calibrated.stored_bytes(quant.mode, n, k, quant.group_size)
+            one = projection(n, k)
         total += model.num_layers * one
     for name, shape in logical_shapes(model).items():
         _, stem, kind = split_name(name)
@@ -102,8 +110,8 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
             continue
         total += math.prod(shape) * compute
     if quant.quantize_lm_head:
-        total += calibrated.stored_bytes(quant.mode, model.vocab_size, h, quant.group_size)
-        if model.tie_word_embeddings and quant.mode == "int4_awq":  # GatherBlockQuantized's copy of the scales
+        total += projection(model.vocab_size, h)
+        if model.tie_word_embeddings and quant.mode == "int4_awq" and not awq_packed:  # GatherBlockQuantized's scales
             total += model.vocab_size * (h // quant.group_size) * compute
     return total
 

@@ -305,12 +305,14 @@ class _Builder:
             # the embedding reads the quantized lm_head's table (stored once); the float embedding is dropped
             shared_calibrated = self.t.pop_calibrated("lm_head.weight", self.q.mode, self.q.group_size)
             hidden = calibrated_gather(g, shared_calibrated, ec.INPUT_IDS, name="/model/embed_tokens",
-                                       weight_name="lm_head.weight", plugin=self.p.weight_only_quant_matmul_plugin)
+                                       weight_name="lm_head.weight", plugin=self.p.weight_only_quant_matmul_plugin,
+                                       kernel=self.p.engine_kernels_plugin, accuracy_level=self.q.accuracy_level or 0)
         elif tied and self.q.quantize_lm_head and self.scheme is not None:
             shared_table = quantize(embedding, self.head_scheme, name="vocab_embedding.weight")
             hidden = quantized_gather(g, shared_table, ec.INPUT_IDS, name="/model/embed_tokens",
                                       weight_name="vocab_embedding.weight",
-                                      plugin=self.p.weight_only_quant_matmul_plugin)
+                                      plugin=self.p.weight_only_quant_matmul_plugin,
+                                      kernel=self.p.engine_kernels_plugin, accuracy_level=self.scheme.accuracy_level)
         else:
             hidden = g.node("Gather", [g.weight("vocab_embedding.weight", embedding), ec.INPUT_IDS],
                             name="/model/embed_tokens/Gather", axis=0)
@@ -332,14 +334,16 @@ class _Builder:
         if shared_table is not None:
             logits = quantized_linear(g, normed, shared_table, None, name="/lm_head",
                                       weight_name="vocab_embedding.weight", accuracy_level=self.scheme.accuracy_level,
-                                      plugin=self.p.weight_only_quant_matmul_plugin, shared=True)
+                                      plugin=self.p.weight_only_quant_matmul_plugin, shared=True,
+                                      kernel=self.p.engine_kernels_plugin)
         elif tied:
             # Gemm reads the embedding [V, H] transposed in place: the tied weight is stored once, not twice.
             logits = g.node("Gemm", [normed, "vocab_embedding.weight"], name="/lm_head/Gemm", transB=1)
         elif shared_calibrated is not None:
             logits = calibrated_linear(g, normed, shared_calibrated, None, name="/lm_head", weight_name="lm_head.weight",
                                        plugin=self.p.weight_only_quant_matmul_plugin,
-                                       accuracy_level=self.q.accuracy_level or 0, shared=True)
+                                       accuracy_level=self.q.accuracy_level or 0, shared=True,
+                                       kernel=self.p.engine_kernels_plugin)
         elif self.calibrated and self.q.quantize_lm_head:
             logits = self.proj(normed, "lm_head.weight", "/lm_head")
         else:

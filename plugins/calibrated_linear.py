@@ -108,18 +108,19 @@ def calibrated_linear(g: Graph, x: str, w: CalibratedWeight, bias: np.ndarray | 
 
 
 def calibrated_gather(g: Graph, w: CalibratedWeight, indices: str, *, name: str, weight_name: str,
-                      plugin: bool = True) -> str:
+                      plugin: bool = True, kernel: bool = False, accuracy_level: int = 0) -> str:
     """Rows `indices` of the float [V, H] table `w` quantizes (a tied embedding read from the quantized lm_head)
     -> [T, H]; places the table's initializers for a following calibrated_linear(..., shared=True).
 
         int8_sq:  table^T [H, V] ─Gather(axis 1)─▶ Transpose ─▶ (q - 128) * scales[ids] ─┐
         fp8:      table^T [H, V] ─Gather(axis 1)─▶ Transpose ─▶ DequantizeLinear(scale) ──┤─▶ * prequant ─▶ rows
-        int4_awq: plugins/linear.quantized_gather (GatherBlockQuantized) ─────────────────┘
+        int4_awq: plugins/linear.quantized_gather (QuantGather or GatherBlockQuantized) ──┘
     The table holds W / prequant (SmoothQuant / AWQ moved the input scale into it), so rows are scaled back."""
     stem = weight_name[: -len(".weight")]
     op = g.scope(name)
     if w.mode == "int4_awq":
-        rows = quantized_gather(g, _int4(w), indices, name=f"{name}/table", weight_name=weight_name, plugin=plugin)
+        rows = quantized_gather(g, _int4(w), indices, name=f"{name}/table", weight_name=weight_name, plugin=plugin,
+                                kernel=kernel, accuracy_level=accuracy_level)
     else:
         values, scales, zero = _place(g, w, stem, weight_name)
         picked = op("Transpose", [op("Gather", [values, indices], axis=1)], perm=[1, 0])   # [T, H]

@@ -30,8 +30,8 @@ session loads (the engine stores 2 bytes a block, not 4).
 ORT's level-2 optimizer fuses that DequantizeLinear + MatMul back into MatMulNBits (at its session default
 accuracy level 4), so the reference stays a reference only in a graph run unoptimized (tests do that).
 
-`quantized_gather` reads rows of the same packed table (ORT GatherBlockQuantized), so a tied embedding and
-a quantized lm_head share one initializer.
+`quantized_gather` reads rows of the same packed table (the engine's QuantGather of QuantMatMul's blocks, or ORT
+GatherBlockQuantized of MatMulNBits' packing), so a tied embedding and a quantized lm_head share one initializer.
 """
 from __future__ import annotations
 
@@ -89,9 +89,10 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
     n, k = q.shape
     op = g.scope(name)
     scales = scale_name_for(weight_name)
-    if plugin and kernel and not shared and quant_matmul.supported(q.group_size, accuracy_level):
-        y = op("QuantMatMul", [x, g.weight(weight_name, quant_matmul.pack(q))], domain=ENGINE_DOMAIN, N=n,
-               bits=q.bits, group_size=q.group_size, offsets=int(q.offsets is not None))
+    if repacked(q, plugin, kernel, accuracy_level):
+        blocks = weight_name if shared else g.weight(weight_name, quant_matmul.pack(q))
+        y = op("QuantMatMul", [x, blocks], domain=ENGINE_DOMAIN, N=n, bits=q.bits, group_size=q.group_size,
+               offsets=int(q.offsets is not None))
         return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
     if plugin:
         if not shared:
@@ -117,12 +118,17 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
 
 
 def quantized_gather(g: Graph, table: QuantizedWeight, indices: str, *, name: str, weight_name: str,
-                     plugin: bool = True) -> str:
+                     plugin: bool = True, kernel: bool = False, accuracy_level: int = 0) -> str:
     """Rows `indices` of the dequantized [V, H] `table` -> [T, H]; places the table's initializers, which a
-    following quantized_linear(..., shared=True) of the same `weight_name` reuses (tied lm_head)."""
+    following quantized_linear(..., shared=True) of the same `weight_name`, `plugin`, `kernel` and
+    `accuracy_level` reuses (tied lm_head): QuantMatMul's blocks read by the engine's QuantGather, or
+    MatMulNBits' packing read by GatherBlockQuantized."""
     v, h = table.shape
     op = g.scope(name)
     scales = scale_name_for(weight_name)
+    if repacked(table, plugin, kernel, accuracy_level):
+        return op("QuantGather", [g.weight(weight_name, quant_matmul.pack(table)), indices], domain=ENGINE_DOMAIN,
+                  bits=table.bits, group_size=table.group_size, offsets=int(table.offsets is not None))
     if plugin:
         g.weight(weight_name, table.packed)
         g.weight(scales, table.scales)
@@ -134,6 +140,11 @@ def quantized_gather(g: Graph, table: QuantizedWeight, indices: str, *, name: st
         return op("Reshape", [rows, g.const([-1, h])])
     w_t = _dequantize_node(g, op, table, weight_name, scales, False)
     return op("Gather", [op("Transpose", [w_t], perm=[1, 0]), indices], axis=0)
+
+
+def repacked(q: QuantizedWeight, plugin: bool, kernel: bool, accuracy_level: int) -> bool:
+    """Whether `q` runs as the engine's QuantMatMul (and a table shared with it is read by QuantGather)."""
+    return plugin and kernel and quant_matmul.supported(q.group_size, accuracy_level)
 
 
 def _dequantize_node(g: Graph, op, q: QuantizedWeight, weight_name: str, scales: str, shared: bool) -> str:

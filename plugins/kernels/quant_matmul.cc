@@ -14,6 +14,8 @@
 // offsets=0 the zero point is taken off in integers: d * da_b * (q . qa_b - zero_point * sum(qa_b)).
 // Attributes: N, bits, group_size (a multiple of 32), offsets. N is padded to whole tiles with zero columns.
 //
+// QuantGather (below) reads rows of the same blocks: a tied embedding and a quantized lm_head share one table.
+//
 // With AVX-512 VNNI each block's dot products are vpdpbusd of the unsigned weights against broadcast groups of 4
 // activations, a tile's columns in the 16 lanes; up to 4 rows share each unpacked weight register. Items (a chunk
 // of rows x a chunk of tiles) run on ORT's intra-op threads. Without VNNI, plain loops with the same arithmetic.
@@ -96,6 +98,20 @@ void quantize_row(void* opaque, size_t t) {
     j.a->d[static_cast<size_t>(t * j.groups + b)] = amax / 127.0f;
     j.a->sum[static_cast<size_t>(t * j.groups + b)] = sum;
   }
+}
+
+// q of column c (0..15) at k = kk (0..31) of one sub-block's bytes, as the header comment lays them out.
+inline int32_t weight_at(const uint8_t* p, int64_t bits, int64_t c, int64_t kk) {
+  if (bits == 8) return p[64 * (kk / 4) + 4 * c + kk % 4];
+  const uint8_t v = p[64 * ((kk % 16) / 4) + 4 * c + kk % 4];
+  return kk < 16 ? v & 0x0F : v >> 4;
+}
+
+float half_to_float(const uint8_t* p) {
+  const uint32_t h = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
+  const float magnitude = (h & 0x7C00) ? std::ldexp(static_cast<float>((h & 0x3FF) | 0x400), ((h >> 10) & 0x1F) - 25)
+                                       : std::ldexp(static_cast<float>(h & 0x3FF), -24);
+  return (h & 0x8000) ? -magnitude : magnitude;
 }
 
 #ifdef ENGINE_KERNELS_VNNI
@@ -185,20 +201,6 @@ void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
   else j.offsets ? tile<8, true>(j, tl, t0, t1, cols) : tile<8, false>(j, tl, t0, t1, cols);
 }
 #else
-// q of column c (0..15) at k = kk (0..31) of one sub-block's bytes, as the header comment lays them out.
-inline int32_t weight_at(const uint8_t* p, int64_t bits, int64_t c, int64_t kk) {
-  if (bits == 8) return p[64 * (kk / 4) + 4 * c + kk % 4];
-  const uint8_t v = p[64 * ((kk % 16) / 4) + 4 * c + kk % 4];
-  return kk < 16 ? v & 0x0F : v >> 4;
-}
-
-float half_to_float(const uint8_t* p) {
-  const uint32_t h = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
-  const float magnitude = (h & 0x7C00) ? std::ldexp(static_cast<float>((h & 0x3FF) | 0x400), ((h >> 10) & 0x1F) - 25)
-                                       : std::ldexp(static_cast<float>(h & 0x3FF), -24);
-  return (h & 0x8000) ? -magnitude : magnitude;
-}
-
 void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
   const int64_t subs = j.group / kSub;
   for (int64_t t = t0; t < t1; ++t)
@@ -264,11 +266,61 @@ void compute(void* opaque, OrtKernelContext* context) {
   parallel_for(kernel.api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
 }
 
-void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
+// QuantGather: rows `ids` of the weight QuantMatMul's blocks hold, dequantized (a tied embedding reading the
+// quantized lm_head's table): inputs 0 blocks uint8 [V/16, H/group, bytes] as QuantMatMul's, 1 ids int64 [T];
+// out float [T, H] = (q - zero_point) * d, or d * q + m with offsets. Attributes: bits, group_size, offsets.
+struct GatherJob {
+  const uint8_t* w;
+  const int64_t* ids;
+  float* out;
+  int64_t hidden, bits, group, groups, block_bytes;
+  bool offsets;
+};
+
+void gather_row(void* opaque, size_t t) {
+  const auto& j = *static_cast<const GatherJob*>(opaque);
+  const int64_t id = j.ids[t], c = id % kLanes, subs = j.group / kSub;
+  const uint8_t* p = j.w + id / kLanes * j.groups * j.block_bytes;
+  float* out = j.out + static_cast<int64_t>(t) * j.hidden;
+  for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
+    for (int64_t s = 0; s < subs; ++s)
+      for (int64_t kk = 0; kk < kSub; ++kk) {
+        const int32_t q = weight_at(p + kHeader + s * sub_bytes(j.bits), j.bits, c, kk);
+        float& y = out[b * j.group + s * kSub + kk];
+        if (j.offsets) {
+          y = half_to_float(p + 2 * c) * static_cast<float>(q) + half_to_float(p + 32 + 2 * c);
+        } else {
+          float d;
+          std::memcpy(&d, p + 4 * c, sizeof d);
+          y = static_cast<float>(q - (1 << (j.bits - 1))) * d;
+        }
+      }
+}
+
+void gather_compute(void* opaque, OrtKernelContext* context) {
+  const auto& kernel = *static_cast<QuantKernel*>(opaque);
+  const std::vector<Tensor> in = inputs(kernel.api, context, 2);
+  const auto &w = in[0], &ids = in[1];
+  const int64_t block_bytes = kHeader + kernel.group / kSub * sub_bytes(kernel.bits);
+  require(w.shape.size() == 3 && w.shape[2] == block_bytes, kName,
+          "QuantGather's table must be [V / 16, H / group_size, 64 + group_size * 16 * bits / 8]");
+  require(ids.shape.size() == 1, kName, "QuantGather's ids must be [T]");
+  const int64_t rows = w.shape[0] * kLanes, tokens = ids.shape[0];
+  const auto* id = static_cast<const int64_t*>(ids.data);
+  for (int64_t t = 0; t < tokens; ++t)
+    require(id[t] >= 0 && id[t] < rows, kName, "QuantGather: an id is outside the table");
+  GatherJob job{static_cast<const uint8_t*>(w.data), id, nullptr, w.shape[1] * kernel.group, kernel.bits,
+                kernel.group, w.shape[1], block_bytes, kernel.offsets};
+  job.out = output<float>(kernel.api, context, 0, {tokens, job.hidden});
+  parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
+}
+
+void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
   Api api(table);
   int64_t n = 0, bits = 0, group = 0, offsets = 0;
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "N", &n);
+  if (gather) n = 1;  // QuantGather reads its sizes from the table
+  else api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "N", &n);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "bits", &bits);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "group_size", &group);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "offsets", &offsets);
@@ -280,7 +332,9 @@ void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
 
 CustomOp make_op() {
   CustomOp op = custom_op_base();
-  op.CreateKernel = create_kernel;
+  op.CreateKernel = [](CustomOp*, const void* table, const OrtKernelInfo* info) {
+    return create_kernel(table, info, false);
+  };
   op.GetName = [](CustomOp*) { return kName; };
   op.GetInputType = [](CustomOp*, size_t i) { return static_cast<int>(i == 1 ? kUint8 : kFloat); };
   op.GetInputTypeCount = [](CustomOp*) { return size_t{2}; };
@@ -291,10 +345,22 @@ CustomOp make_op() {
   return op;
 }
 
+CustomOp make_gather_op() {
+  CustomOp op = make_op();
+  op.CreateKernel = [](CustomOp*, const void* table, const OrtKernelInfo* info) {
+    return create_kernel(table, info, true);
+  };
+  op.GetName = [](CustomOp*) { return "QuantGather"; };
+  op.GetInputType = [](CustomOp*, size_t i) { return static_cast<int>(i == 0 ? kUint8 : kInt64); };
+  op.KernelCompute = gather_compute;
+  return op;
+}
+
 CustomOp kOp = make_op();
+CustomOp kGatherOp = make_gather_op();
 
 }  // namespace
 
-std::vector<CustomOp*> quant_matmul_ops() { return {&kOp}; }
+std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kGatherOp}; }
 
 }  // namespace engine_kernels

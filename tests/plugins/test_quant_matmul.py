@@ -98,3 +98,18 @@ def test_plain_loops_match_the_vector_code(tmp_path, monkeypatch):
     assert native.library().is_relative_to(tmp_path)
     for a, b in zip(plain, vector):
         assert_close(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("weight", ["int4_g32", "int8_g64", "q4_1"])
+def test_gather_reads_rows_of_the_same_blocks(weight):
+    """QuantGather (a tied embedding reading the quantized lm_head's blocks) gives the dequantized rows."""
+    q = WEIGHTS[weight](40, 256)
+    ids = np.array([0, 39, 17, 17, 16], dtype=np.int64)
+    rows = run_op(lambda g, i: g.scope("/embed")("QuantGather", [g.weight("table", quant_matmul.pack(q)), i],
+                                                 domain=ENGINE_DOMAIN, bits=q.bits, group_size=q.group_size,
+                                                 offsets=int(q.offsets is not None)), {"ids": ids})
+    expected = dequantize(q)[ids]
+    if q.offsets is None:   # (q - zero point) * d, as dequantize rounds it
+        np.testing.assert_array_equal(rows, expected)
+    else:
+        assert_close(rows, expected, rtol=1e-6, atol=1e-6 * float(np.abs(expected).max()))

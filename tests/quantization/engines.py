@@ -20,15 +20,12 @@ from engine.quantization.accuracy import AccuracyOptions
 from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, TinyEngines, slug
 
 LOGITS_RELATIVE_RMS = {"int8_wo": 0.03, "int4_wo": 0.25}
-# Where the CPU has AVX-512 VNNI the layers' weight-only projections run as the engine's QuantMatMul, elsewhere as
-# MatMulNBits (plugins/linear.py); a quantized lm_head that shares its table with a tied embedding stays MatMulNBits.
+# Where the CPU has AVX-512 VNNI weight-only projections run as the engine's QuantMatMul, elsewhere as
+# MatMulNBits (plugins/linear.py), and a tied embedding reads a quantized lm_head's table with the engine's
+# QuantGather, elsewhere with GatherBlockQuantized.
 REPACKED = quant_matmul.supported(32, 4)
 PROJECTION_OP = "engine.QuantMatMul" if REPACKED else "com.microsoft.MatMulNBits"
-
-
-def weight_only_matmuls(counts: dict[str, int]) -> int:
-    """QuantMatMul and MatMulNBits nodes of op_counts(): the graph's weight-only quantized projections."""
-    return counts.get("engine.QuantMatMul", 0) + counts.get("com.microsoft.MatMulNBits", 0)
+GATHER_OP = "engine.QuantGather" if REPACKED else "com.microsoft.GatherBlockQuantized"
 
 
 def stored_projection(inits: dict, stem: str, n: int, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:

@@ -22,14 +22,14 @@ from engine.quantization.accuracy import AccuracyOptions
 from engine.quantization.calibrate import CalibrationOptions
 from tests.real_model import next_token_after_france
 
-from .engines import weight_only_matmuls
+from .engines import PROJECTION_OP
 
 pytestmark = pytest.mark.slow
 
 BUILD = BuildConfig(max_batch_size=8, max_input_len=512, max_seq_len=1024, max_num_tokens=1024)
 CALIBRATION = CalibrationOptions(size=16, max_seq_len=128)
 TARGET = {"int8_sq": 2.0, "fp8": 2.0, "int4_awq": 6.0}    # perplexity increase, percent (the targets)
-KERNEL = {"int8_sq": "MatMulInteger", "fp8": "QuantizeLinear"}   # int4_awq: weight_only_matmuls
+KERNEL = {"int8_sq": "MatMulInteger", "fp8": "QuantizeLinear", "int4_awq": PROJECTION_OP}
 # The size limits are met with lm_head quantized too (the tied embedding reads its int8 / int4 table): these
 # second builds skip the report; the accuracy targets are those of the default builds (lm_head float, as ModelOpt).
 LM_HEAD_BUILDS = ("int8_sq", "int4_awq")
@@ -91,7 +91,7 @@ def test_accuracy_report_within_target(engines, mode):
 def test_kernels_and_weight_precision(engines, mode):
     engine = engines / (f"{mode}_lm_head" if mode in LM_HEAD_BUILDS else mode)
     counts = op_counts(engine / "rank0.onnx")
-    kernels = weight_only_matmuls(counts) if mode == "int4_awq" else counts[KERNEL[mode]]
+    kernels = counts[KERNEL[mode]]
     assert kernels == 30 * 4 + (mode in LM_HEAD_BUILDS)
     fp32 = (engines / "float32" / "rank0.onnx.data").stat().st_size
     # fp8 keeps the float32 tied embedding (ONNX Gather takes no float8): 113 MB of the 538 MB. int4_awq keeps the
