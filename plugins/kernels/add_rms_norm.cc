@@ -85,20 +85,8 @@ void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
   return new NormKernel{api, epsilon};
 }
 
-CustomOp make_op() {
-  CustomOp op = custom_op_base();
-  op.CreateKernel = create_kernel;
-  op.GetName = [](CustomOp*) { return kName; };
-  op.GetInputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetInputTypeCount = [](CustomOp*) { return size_t{3}; };
-  op.GetOutputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetOutputTypeCount = [](CustomOp*) { return size_t{2}; };
-  op.KernelCompute = compute;
-  op.KernelDestroy = [](void* kernel) { delete static_cast<NormKernel*>(kernel); };
-  return op;
-}
-
-CustomOp kOp = make_op();
+KernelOp kOp = kernel_op(kName, {kFloat, kFloat, kFloat}, kFloat, 2, create_kernel, compute,
+                         destroy_kernel<NormKernel>);
 
 }  // namespace
 

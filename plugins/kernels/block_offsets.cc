@@ -131,20 +131,8 @@ void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
   return new OffsetsKernel{api, group};
 }
 
-CustomOp make_op() {
-  CustomOp op = custom_op_base();
-  op.CreateKernel = create_kernel;
-  op.GetName = [](CustomOp*) { return kName; };
-  op.GetInputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetInputTypeCount = [](CustomOp*) { return size_t{3}; };
-  op.GetOutputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetOutputTypeCount = [](CustomOp*) { return size_t{1}; };
-  op.KernelCompute = compute;
-  op.KernelDestroy = [](void* kernel) { delete static_cast<OffsetsKernel*>(kernel); };
-  return op;
-}
-
-CustomOp kOp = make_op();
+KernelOp kOp = kernel_op(kName, {kFloat, kFloat, kFloat}, kFloat, 1, create_kernel, compute,
+                         destroy_kernel<OffsetsKernel>);
 
 }  // namespace
 

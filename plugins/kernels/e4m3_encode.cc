@@ -36,7 +36,7 @@ void compute(void* opaque, OrtKernelContext* context) {
   parallel_for(api, context, static_cast<size_t>(x.shape[0]), encode_row, &job);
 }
 
-SimpleOp kOp = simple_op("E4m3Encode", kFloat, 2, kUint8, compute);
+KernelOp kOp = simple_op("E4m3Encode", kFloat, 2, kUint8, compute);
 
 }  // namespace
 

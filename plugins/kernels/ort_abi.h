@@ -119,27 +119,43 @@ inline CustomOp custom_op_base() {
   return op;
 }
 
-// An op whose kernel keeps only the API table (no attributes): `inputs` inputs of `input_type`, one output of
-// `output_type`, computed by `compute(Api*, context)`.
-struct SimpleOp : CustomOp {
+// An op of `input_types.size()` inputs and `outputs` outputs of `output_type`, its kernel object made by `create`,
+// run by `compute` and deleted by `destroy` (destroy_kernel<K>).
+struct KernelOp : CustomOp {
   const char* name;
-  int input_type;
-  size_t inputs;
+  std::vector<int> input_types;
   int output_type;
+  size_t outputs;
 };
 
-inline SimpleOp simple_op(const char* name, int input_type, size_t inputs, int output_type,
-                          void (*compute)(void* api, OrtKernelContext* context)) {
-  SimpleOp op{custom_op_base(), name, input_type, inputs, output_type};
-  op.CreateKernel = [](CustomOp*, const void* table, const OrtKernelInfo*) -> void* { return new Api(table); };
-  op.GetName = [](CustomOp* o) { return static_cast<SimpleOp*>(o)->name; };
-  op.GetInputType = [](CustomOp* o, size_t) { return static_cast<SimpleOp*>(o)->input_type; };
-  op.GetInputTypeCount = [](CustomOp* o) { return static_cast<SimpleOp*>(o)->inputs; };
-  op.GetOutputType = [](CustomOp* o, size_t) { return static_cast<SimpleOp*>(o)->output_type; };
-  op.GetOutputTypeCount = [](CustomOp*) { return size_t{1}; };
+template <typename K>
+void destroy_kernel(void* kernel) {
+  delete static_cast<K*>(kernel);
+}
+
+inline KernelOp kernel_op(const char* name, std::vector<int> input_types, int output_type, size_t outputs,
+                          void* (*create)(CustomOp*, const void*, const OrtKernelInfo*),
+                          void (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
+  KernelOp op{custom_op_base(), name, std::move(input_types), output_type, outputs};
+  op.CreateKernel = create;
+  op.GetName = [](CustomOp* o) { return static_cast<KernelOp*>(o)->name; };
+  op.GetInputType = [](CustomOp* o, size_t i) { return static_cast<KernelOp*>(o)->input_types[i]; };
+  op.GetInputTypeCount = [](CustomOp* o) { return static_cast<KernelOp*>(o)->input_types.size(); };
+  op.GetOutputType = [](CustomOp* o, size_t) { return static_cast<KernelOp*>(o)->output_type; };
+  op.GetOutputTypeCount = [](CustomOp* o) { return static_cast<KernelOp*>(o)->outputs; };
   op.KernelCompute = compute;
-  op.KernelDestroy = [](void* kernel) { delete static_cast<Api*>(kernel); };
+  op.KernelDestroy = destroy;
   return op;
+}
+
+// An op whose kernel keeps only the API table (no attributes): `inputs` inputs of `input_type`, one output of
+// `output_type`, computed by `compute(Api*, context)`.
+inline KernelOp simple_op(const char* name, int input_type, size_t inputs, int output_type,
+                          void (*compute)(void* api, OrtKernelContext* context)) {
+  return kernel_op(
+      name, std::vector<int>(inputs, input_type), output_type, 1,
+      [](CustomOp*, const void* table, const OrtKernelInfo*) -> void* { return new Api(table); }, compute,
+      destroy_kernel<Api>);
 }
 
 // KernelContext_ParallelFor of the table GetApi(17) returns, set by RegisterCustomOps (null before ORT 1.17).

@@ -330,34 +330,14 @@ void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
   return new QuantKernel{api, n, bits, group, offsets != 0};
 }
 
-CustomOp make_op() {
-  CustomOp op = custom_op_base();
-  op.CreateKernel = [](CustomOp*, const void* table, const OrtKernelInfo* info) {
-    return create_kernel(table, info, false);
-  };
-  op.GetName = [](CustomOp*) { return kName; };
-  op.GetInputType = [](CustomOp*, size_t i) { return static_cast<int>(i == 1 ? kUint8 : kFloat); };
-  op.GetInputTypeCount = [](CustomOp*) { return size_t{2}; };
-  op.GetOutputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetOutputTypeCount = [](CustomOp*) { return size_t{1}; };
-  op.KernelCompute = compute;
-  op.KernelDestroy = [](void* kernel) { delete static_cast<QuantKernel*>(kernel); };
-  return op;
-}
-
-CustomOp make_gather_op() {
-  CustomOp op = make_op();
-  op.CreateKernel = [](CustomOp*, const void* table, const OrtKernelInfo* info) {
-    return create_kernel(table, info, true);
-  };
-  op.GetName = [](CustomOp*) { return "QuantGather"; };
-  op.GetInputType = [](CustomOp*, size_t i) { return static_cast<int>(i == 0 ? kUint8 : kInt64); };
-  op.KernelCompute = gather_compute;
-  return op;
-}
-
-CustomOp kOp = make_op();
-CustomOp kGatherOp = make_gather_op();
+KernelOp kOp = kernel_op(
+    kName, {kFloat, kUint8}, kFloat, 1,
+    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, false); },
+    compute, destroy_kernel<QuantKernel>);
+KernelOp kGatherOp = kernel_op(
+    "QuantGather", {kUint8, kInt64}, kFloat, 1,
+    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, true); },
+    gather_compute, destroy_kernel<QuantKernel>);
 
 }  // namespace
 

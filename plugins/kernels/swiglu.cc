@@ -53,7 +53,7 @@ void compute(void* opaque, OrtKernelContext* context) {
   parallel_for(api, context, static_cast<size_t>(x.shape[0]), swiglu_row, &job);
 }
 
-SimpleOp kOp = simple_op(kName, kFloat, 1, kFloat, compute);
+KernelOp kOp = simple_op(kName, kFloat, 1, kFloat, compute);
 
 }  // namespace
 
