@@ -39,10 +39,11 @@ QUANTIZED_PROJECTIONS = ("attention.q", "attention.k", "attention.v", "attention
                          "mlp.down")
 
 
-def repacked(quant: QuantConfig, plugins: PluginConfig | None) -> bool:
+def _repacked(quant: QuantConfig, plugins: PluginConfig | None) -> bool:
     """Whether the build runs its weight-only quantized projections as QuantMatMul (plugins/linear.py)."""
-    return (plugins is not None and plugins.engine_kernels_plugin and plugins.weight_only_quant_matmul_plugin
-            and quant.group_size is not None and quant_matmul.supported(quant.group_size, quant.accuracy_level or 0))
+    return plugins is not None and quant.group_size is not None and quant_matmul.runs(
+        quant.group_size, quant.accuracy_level or 0, plugin=plugins.weight_only_quant_matmul_plugin,
+        kernel=plugins.engine_kernels_plugin)
 
 
 def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None,
@@ -51,10 +52,9 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
         return rank_weight_elements(model, tp, max_seq_len) * compute
-    group = quant.group_size
+    group, packed = quant.group_size, _repacked(quant, plugins)
     if quant.mode in calibrated.CALIBRATED:
-        return _calibrated_bytes(model, tp, max_seq_len, quant, repacked(quant, plugins))
-    packed = repacked(quant, plugins)
+        return _calibrated_bytes(model, tp, max_seq_len, quant, packed)
     bits = BITS[quant.mode]
     quantized = set(QUANTIZED_PROJECTIONS) | ({"lm_head"} if quant.quantize_lm_head else set())
     shapes = logical_shapes(model)

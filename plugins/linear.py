@@ -89,7 +89,7 @@ def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | No
     n, k = q.shape
     op = g.scope(name)
     scales = scale_name_for(weight_name)
-    if repacked(q, plugin, kernel, accuracy_level):
+    if quant_matmul.runs(q.group_size, accuracy_level, plugin=plugin, kernel=kernel):
         blocks = weight_name if shared else g.weight(weight_name, quant_matmul.pack(q))
         y = op("QuantMatMul", [x, blocks], domain=ENGINE_DOMAIN, N=n, bits=q.bits, group_size=q.group_size,
                offsets=int(q.offsets is not None))
@@ -126,7 +126,7 @@ def quantized_gather(g: Graph, table: QuantizedWeight, indices: str, *, name: st
     v, h = table.shape
     op = g.scope(name)
     scales = scale_name_for(weight_name)
-    if repacked(table, plugin, kernel, accuracy_level):
+    if quant_matmul.runs(table.group_size, accuracy_level, plugin=plugin, kernel=kernel):
         return op("QuantGather", [g.weight(weight_name, quant_matmul.pack(table)), indices], domain=ENGINE_DOMAIN,
                   bits=table.bits, group_size=table.group_size, offsets=int(table.offsets is not None))
     if plugin:
@@ -140,11 +140,6 @@ def quantized_gather(g: Graph, table: QuantizedWeight, indices: str, *, name: st
         return op("Reshape", [rows, g.const([-1, h])])
     w_t = _dequantize_node(g, op, table, weight_name, scales, False)
     return op("Gather", [op("Transpose", [w_t], perm=[1, 0]), indices], axis=0)
-
-
-def repacked(q: QuantizedWeight, plugin: bool, kernel: bool, accuracy_level: int) -> bool:
-    """Whether `q` runs as the engine's QuantMatMul (and a table shared with it is read by QuantGather)."""
-    return plugin and kernel and quant_matmul.supported(q.group_size, accuracy_level)
 
 
 def _dequantize_node(g: Graph, op, q: QuantizedWeight, weight_name: str, scales: str, shared: bool) -> str:

@@ -32,6 +32,12 @@ def supported(group_size: int, accuracy_level: int) -> bool:
     return accuracy_level == 4 and group_size % SUB == 0 and native.has_vnni()
 
 
+def runs(group_size: int, accuracy_level: int, *, plugin: bool, kernel: bool) -> bool:
+    """Whether a build with these switches (--weight-only-quant-matmul-plugin, --engine-kernels-plugin) lowers
+    weight-only projections to QuantMatMul (plugins/linear.py; the memory plan asks the same)."""
+    return plugin and kernel and supported(group_size, accuracy_level)
+
+
 def stored_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> int:
     """Bytes of one packed weight: whole tiles of 16 columns, a 4-byte scale (or two float16s) per column and block."""
     columns = -(-out_features // LANES) * LANES

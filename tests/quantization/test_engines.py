@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
 from safetensors.numpy import load_file
 
 from engine.builder.onnxruntime_backend import op_counts
