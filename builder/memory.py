@@ -65,11 +65,10 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     for name, shape in shapes.items():
         rows_cols = rank_shape(name, shape, model, tp)
         _, stem, kind = split_name(name)
-        if tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight" and packed:
-            total += quant_matmul.stored_bytes(*rows_cols, bits, group)   # read by QuantGather and QuantMatMul
-        elif tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight":
-            n, k = rows_cols
-            total += stored_bytes(n, k, bits, group) + n * (k // group) * compute  # + the gather's scales
+        if tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight":
+            n, k = rows_cols   # read by QuantGather and QuantMatMul, or GatherBlockQuantized with its own scales
+            total += quant_matmul.stored_bytes(n, k, bits, group) if packed else \
+                stored_bytes(n, k, bits, group) + n * (k // group) * compute
         elif kind == "weight" and stem in quantized and packed:
             total += quant_matmul.stored_bytes(*rows_cols, bits, group)
         elif kind == "weight" and stem in quantized:

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -48,6 +49,7 @@ def _digest(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
 def _cpu_flags() -> str:
     """The CPU's feature flags (-march=native depends on them), so a cache shared across machines stays correct."""
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.plugins import native
-from engine.quantization.weight_only import QuantizedWeight, unpack
+from engine.quantization.weight_only import QuantizedWeight, dequantize, unpack
 
 LANES = 16  # columns per tile
 SUB = 32    # K values per sub-block
@@ -58,8 +58,7 @@ def pack(q: QuantizedWeight) -> np.ndarray:
     """The blocks uint8 [N/16, K/G, 64 + G * 16 * bits / 8] of `q` (module docstring)."""
     n, k = q.shape
     tiles, groups, subs = -(-n // LANES), k // q.group_size, q.group_size // SUB
-    values = np.zeros((tiles * LANES, k), dtype=np.uint8)
-    values[:n] = unpack(q)
+    values = _padded(unpack(q), tiles)
     # [tile, column j, block, sub-block, register i, e], k = G block + 32 sub + 4 i + e -> [tile, block, sub, i, j, e]
     v = values.reshape(tiles, LANES, groups, subs, 8, 4).transpose(0, 2, 3, 4, 1, 5)
     if q.bits == 4:  # register l (< 4) holds k = 4 l + e in its low nibbles and 16 + 4 l + e in its high ones
@@ -91,15 +90,21 @@ def unpack_blocks(blocks: np.ndarray, n: int, bits: int, group_size: int,
     return values, columns(half[..., :LANES]), columns(half[..., LANES:])
 
 
+def _padded(rows: np.ndarray, tiles: int) -> np.ndarray:
+    """[N, X] -> [16 * tiles, X]: zero rows (columns of the weight) fill the last tile."""
+    padded = np.zeros((tiles * LANES, rows.shape[1]), dtype=rows.dtype)
+    padded[: rows.shape[0]] = rows
+    return padded
+
+
 def _tiles(per_block: np.ndarray, tiles: int) -> np.ndarray:
     """[N, K/G] -> [N/16, K/G, 16], zero columns padding the last tile."""
-    padded = np.zeros((tiles * LANES, per_block.shape[1]), dtype=per_block.dtype)
-    padded[: per_block.shape[0]] = per_block
-    return np.ascontiguousarray(padded.reshape(tiles, LANES, -1).transpose(0, 2, 1))
+    return np.ascontiguousarray(_padded(per_block, tiles).reshape(tiles, LANES, -1).transpose(0, 2, 1))
 
 
 def reference(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
-    """What QuantMatMul computes, in float64 from its rounded activations: the tests' reference lowering."""
+    """What QuantMatMul computes, from its rounded activations and weight_only.dequantize's weights, summed in
+    float64: the tests' reference lowering."""
     n, k = q.shape
     g = q.group_size
     blocks = np.asarray(x, dtype=np.float32).reshape(-1, k // g, g)
@@ -108,7 +113,5 @@ def reference(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     qa = np.rint(blocks * inv)
     da = (amax / np.float32(127)).astype(np.float32)
-    d = q.scales.astype(np.float64)
-    m = -q.zero_point * d + (q.offsets if q.offsets is not None else 0)
-    w = unpack(q).astype(np.float64).reshape(n, k // g, g) * d[:, :, None] + m[:, :, None]
+    w = dequantize(q).astype(np.float64).reshape(n, k // g, g)
     return np.einsum("tbg,nbg->tn", qa * da.astype(np.float64), w).astype(np.float32)

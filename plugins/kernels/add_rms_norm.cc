@@ -9,8 +9,8 @@
 // Attribute: epsilon (float). Rows run on ORT's intra-op threads when there are several.
 #include <cmath>
 
+#include "attention_math.h"
 #include "ort_abi.h"
-#include "simd.h"
 
 namespace engine_kernels {
 namespace {
@@ -43,9 +43,7 @@ void norm_row(void* opaque, size_t t) {
     _mm256_storeu_ps(total + i, v);
     acc = _mm256_fmadd_ps(v, v, acc);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float lane : lanes) squares += lane;
+  squares = simd::hsum(acc);
 #endif
   for (; i < j.hidden; ++i) {
     total[i] = x[i] + r[i];
