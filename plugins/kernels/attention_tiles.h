@@ -1,8 +1,8 @@
 // Prefill tiles of plugins/kernels/paged_attention.cc: the attention of several consecutive tokens of one row for
 // one KV head in one work item, as small matrix products.
 //
-// attend_part (attention_math.h) takes one token at a time: each score is a dot product ending in a horizontal sum,
-// each item rescans its mask row, and the keys and values are reloaded for every token. A tile of m tokens makes
+// attend_part (attention_decode.h) takes one token at a time: each item rescans its mask row, and the keys and
+// values are reloaded for every token. A tile of m tokens makes
 // R = m * group query rows that share their keys: the scores S [keys, R] come from one product with the rows held
 // transposed (qt [hd, R]), so each key element is broadcast once into independent 8-row FMA chains and no score
 // needs a horizontal sum; the softmax runs across rows in registers; the weighted sum reads each value row once for
@@ -187,9 +187,9 @@ void attend_tile(const Shapes& s, float scale, float softcap, const float* q, co
       const int64_t row = r + u;
       o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
     }
-    if (nh == 3) simd::weighted_rows<3, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
-    else if (nh == 2) simd::weighted_rows<2, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
-    else simd::weighted_rows<1, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    if (nh == 3) simd::weighted_rows<simd::V8, 3, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    else if (nh == 2) simd::weighted_rows<simd::V8, 2, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    else simd::weighted_rows<simd::V8, 1, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
     for (int64_t u = 0; u < nh; ++u) {
       const float total = x.sum[static_cast<size_t>(r + u)];
       const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros

@@ -16,10 +16,11 @@
 //   out          float [T, heads*hd]          softmax(scale * q.k, softcapped) . v, GQA: head h reads h / group
 // Attributes: num_heads, num_kv_heads (int), scale, softcap (float, 0 = none). Only the T selected rows are
 // computed (padded rows of the plain lowering are never selected); a row that sees no key gets zeros (a real token
-// always sees itself). The math is attention_math.h (tokens one at a time) and attention_tiles.h (rows of several
-// tokens, a prefill's); ORT's C ABI, ort_abi.h; registration, register.cc.
+// always sees itself). The math is attention_decode.h (tokens one at a time) and attention_tiles.h (rows of several
+// tokens, a prefill's), over attention_math.h; ORT's C ABI, ort_abi.h; registration, register.cc.
 #include <type_traits>
 
+#include "attention_decode.h"
 #include "attention_tiles.h"
 #include "ort_abi.h"
 
@@ -49,11 +50,11 @@ struct Job {
   std::vector<int64_t> tiled;    // the tiles' js, q rows and output rows: three arrays, an entry per tiled token
   std::vector<int64_t> singles;  // the other packed tokens, attended one at a time in `parts` shares
   int64_t parts;
-  std::vector<float> partials;   // [singles, kv_heads, parts, partial_size]
+  std::vector<float> partials;   // [singles, parts, partial_size]
 };
 
-// Work item i: (tile, KV head) for the first tiles * kv_heads items, then (single token, KV head, part); run by
-// ORT's intra-op threads.
+// Work item i: (tile, KV head) for the first tiles * kv_heads items, then (single token, part); run by ORT's
+// intra-op threads.
 template <typename P>
 void run_item(void* opaque, size_t i) {
   auto& j = *static_cast<Job<P>*>(opaque);
@@ -68,16 +69,16 @@ void run_item(void* opaque, size_t i) {
   }
 #endif
   item -= tile_items;
-  const int64_t part = item % j.parts, g = item / j.parts % j.s.kv_heads,
-                t = j.singles[item / j.parts / j.s.kv_heads];
+  const int64_t t = j.singles[item / j.parts];
   thread_local Scratch scratch;
   attend_part(j.s, j.scale, j.softcap, j.q + j.queries[j.rows[t]] * j.s.heads * j.s.hd, j.kc, j.vc, j.slots, j.mask,
-              j.rows[t], g, part, j.parts, j.partials.data() + item * partial_size(j.s), scratch);
+              j.rows[t], item % j.parts, j.parts, j.partials.data() + item * partial_size(j.s), scratch);
 }
 
 // Rows with at least kMinTile tokens go in tiles of tile_tokens(s), when the tiles' vector code runs (AVX2 + FMA,
 // a head size that is a multiple of 8); every other token is a single. Tokens in (row, query position) order.
 constexpr int64_t kMinTile = 4;
+constexpr int64_t kMinItems = 4;
 
 template <typename P>
 void plan(Job<P>& j) {
@@ -138,19 +139,16 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
   Job<P> job{s, k.scale, k.softcap, q, kc, vc, slots, rows, queries, static_cast<const bool*>(mask.data), out,
              {}, {}, {}, 1, {}};
   plan(job);
-  // Split each single token's keys in two when a step has fewer items than ORT's two-thread pool can share evenly
-  // (a single decode of a model with an odd number of KV heads).
+  // Split each single token's keys in shares when a step has fewer items than ORT's two-thread pool can share
+  // evenly (a lone decode): flash-decoding's split.
   const int64_t tile_items = static_cast<int64_t>(job.tiles.size()) * s.kv_heads,
-                pairs = static_cast<int64_t>(job.singles.size()) * s.kv_heads;
-  job.parts = tile_items + pairs < 4 ? 2 : 1;
-  job.partials.resize(static_cast<size_t>(pairs * job.parts * partial_size(s)));
-  parallel_for(k.api, context, static_cast<size_t>(tile_items + pairs * job.parts), run_item<P>, &job);
-  for (size_t i = 0; i < job.singles.size(); ++i) {
-    const int64_t t = job.singles[i];
-    for (int64_t g = 0; g < s.kv_heads; ++g)
-      combine(s, job.partials.data() + (static_cast<int64_t>(i) * s.kv_heads + g) * job.parts * partial_size(s),
-              job.parts, out + t * s.heads * s.hd + g * s.group() * s.hd);
-  }
+                singles = static_cast<int64_t>(job.singles.size());
+  job.parts = tile_items + singles < kMinItems ? (kMinItems + singles - 1) / std::max<int64_t>(singles, 1) : 1;
+  job.partials.resize(static_cast<size_t>(singles * job.parts * partial_size(s)));
+  parallel_for(k.api, context, static_cast<size_t>(tile_items + singles * job.parts), run_item<P>, &job);
+  for (int64_t i = 0; i < singles; ++i)
+    combine(s, job.partials.data() + i * job.parts * partial_size(s), job.parts,
+            out + job.singles[static_cast<size_t>(i)] * s.heads * s.hd);
 }
 
 template <typename P>

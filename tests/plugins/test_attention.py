@@ -12,6 +12,7 @@ import pytest
 
 from engine.core.config import RopeConfig
 from engine.core.errors import EngineError
+from engine.plugins import native
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.rotary import rotary_tables
 
@@ -29,9 +30,11 @@ class Step:
     positions: np.ndarray   # [T] position of each packed token in its sequence
 
 
-def make_step(rng, seqs, num_kv_heads, head_dim, num_heads, num_blocks=64, window=None) -> Step:
-    """seqs: (context length after this step, new tokens) per sequence."""
+def make_step(rng, seqs, num_kv_heads, head_dim, num_heads, num_blocks=None, window=None) -> Step:
+    """seqs: (context length after this step, new tokens) per sequence; a pool of num_blocks (default: 8 more
+    than the contexts need, at least 64)."""
     kv_size = num_kv_heads * head_dim
+    num_blocks = num_blocks or max(64, sum(-(-ctx // BLOCK) for ctx, _ in seqs) + 8)
     free = list(rng.permutation(num_blocks))
     contexts, q_rows, slots, positions = [], [], [], []
     for ctx, new in seqs:
@@ -116,6 +119,8 @@ STEPS = {
     # the kernel's prefill tiles (attention_tiles.h): rows of >= 4 tokens in tiles of up to 32 query rows, a short
     # last tile, a row of 3 tokens attended one by one beside them
     "tiles": [(100, 75), (50, 3), (41, 33)],
+    # decodes longer than the kernel's key chunks (attention_decode.h's kChunk, 256): merged online across chunks
+    "long-decode": [(600, 1), (300, 1)],
 }
 
 
@@ -140,6 +145,20 @@ def test_kernel_on_two_threads_equals_one(steps):
     step = make_step(rng, STEPS[steps], 3, 64, 9)
     graph = attention_graph(9, 3, 64, 0.125, None, "kernel")
     np.testing.assert_array_equal(run_op(graph, step.feeds, threads=2), run_op(graph, step.feeds, threads=1))
+
+
+@pytest.mark.parametrize("steps", ["long-decode", "tiles"])
+def test_kernel_without_avx512_computes_the_same(steps, tmp_path, monkeypatch):
+    """The kernel library compiled without AVX-512 (8-lane vectors, as on AVX2-only CPUs) computes the same."""
+    step = make_step(np.random.default_rng(12), STEPS[steps], 3, 64, 9)
+    graph = attention_graph(9, 3, 64, 0.125, None, "kernel")
+    wide = run_op(graph, step.feeds, threads=2)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
+    narrow = run_op(graph, step.feeds, threads=2)
+    assert native.library().is_relative_to(tmp_path)
+    assert_close(narrow, wide)
+    assert_close(narrow, reference(step, 9, 3, 64, 0.125, None))
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (6, 3)])
@@ -168,7 +187,7 @@ def rotate_half(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.n
 def rotary_step(rng, seqs, num_heads, num_kv_heads, head_dim):
     """A step for RotaryPagedAttention, the feeds in its input order, and the expected (out, kcache, vcache)."""
     step = make_step(rng, seqs, num_kv_heads, head_dim, num_heads)
-    cos, sin = rotary_tables(head_dim, RopeConfig(theta=10000.0), 128)
+    cos, sin = rotary_tables(head_dim, RopeConfig(theta=10000.0), 1024)
     f = step.feeds
     feeds = {"qkv": np.concatenate([f["q"], f["k"], f["v"]], axis=1), "positions": step.positions, "cos": cos,
              "sin": sin, **{n: f[n] for n in ("kcache", "vcache", "slot_mapping", "q_index", "kv_slots",

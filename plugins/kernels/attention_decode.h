@@ -1,0 +1,256 @@
+// Decode items of plugins/kernels/paged_attention.cc: one token's attention over a share of the keys its mask row
+// lets it see, every head at once (attention_tiles.h takes rows of several tokens).
+//
+// An item leaves, per query head, the share's score maximum m, its sum of exp(score - m) and the unnormalized
+// output sum_i exp(score_i - m) v_i; combine() merges the shares (flash-decoding's split of the keys, which keeps
+// both cores busy when a step has fewer tokens than threads). Scores are (scale * q_h) . k_i, softcapped.
+//
+// Memory (bench/NOTES.md entry 27): a pool row holds every KV head of its slot, so an item that takes all heads
+// reads whole rows. The keys go in chunks of kChunk: a chunk's K rows are first read in by plain loads in address
+// order (a stream the hardware prefetcher follows), then scored from the cache; likewise its V rows for the
+// weighted sum; the chunks merge online (running maximum, sums rescaled). Loads interleaved with the arithmetic,
+// under software prefetch or not, left most of the memory latency exposed: ~2x the time of a plain read.
+// Vector code: 16 lanes (AVX-512F, head size a multiple of 16), else 8 (AVX2 + FMA, a multiple of 8), else plain
+// loops.
+#pragma once
+
+#include <type_traits>
+
+#include "attention_math.h"
+
+namespace engine_kernels {
+
+constexpr int64_t kChunk = 256;  // keys: a chunk's K (or V) rows stay in L2 (192 KB of float rows for SmolLM2)
+
+struct Scratch {
+  std::vector<int64_t> visible;  // pool offsets (slot * kv_width) of the share's keys
+  std::vector<float> scores;     // [heads, kChunk]
+  std::vector<float> q;          // scale * q of the token's heads
+};
+
+// One item's result per query head: [m, l, out[hd]].
+inline int64_t partial_size(const Shapes& s) { return s.heads * (s.hd + 2); }
+
+// The rows base + keys[i] (`bytes` each) read into the cache, a load per 64-byte line in address order.
+template <typename P>
+inline void stage(const P* base, const int64_t* keys, int64_t n, int64_t bytes) {
+  for (int64_t i = 0; i < n; ++i) {
+    const volatile char* row = reinterpret_cast<const volatile char*>(base + keys[i]);
+    for (int64_t b = 0; b < bytes; b += 64) (void)row[b];
+  }
+}
+
+// f(NH, h) for the query heads h .. h + NH - 1 in runs of up to 3 within one KV head (NH an integral_constant).
+template <typename F>
+inline void head_runs(const Shapes& s, F&& f) {
+  const int64_t group = s.group();
+  for (int64_t h = 0, nh; h < s.heads; h += nh) {
+    nh = std::min<int64_t>(3, group - h % group);
+    if (nh == 3) f(std::integral_constant<int, 3>{}, h);
+    else if (nh == 2) f(std::integral_constant<int, 2>{}, h);
+    else f(std::integral_constant<int, 1>{}, h);
+  }
+}
+
+#ifdef ENGINE_KERNELS_AVX2
+namespace simd {
+
+// scores[u * stride + i] = q_u . k_i for NH query heads q_u = q + u * hd of one KV head, k_i = k + keys[i]: four
+// keys at a time, each key vector loaded once for all heads, the four sums of a head folded together.
+template <class V, int NH, typename P>
+void score_keys(const float* q, const P* k, const int64_t* keys, int64_t n, int64_t hd, float* scores,
+                int64_t stride) {
+  using T = typename V::T;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    T acc[NH][4];
+    ENGINE_UNROLL
+    for (int u = 0; u < NH; ++u)
+      ENGINE_UNROLL
+      for (int j = 0; j < 4; ++j) acc[u][j] = V::zero();
+    for (int64_t d = 0; d < hd; d += V::N) {
+      T kv[4];
+      ENGINE_UNROLL
+      for (int j = 0; j < 4; ++j) kv[j] = V::load(k + keys[i + j] + d);
+      ENGINE_UNROLL
+      for (int u = 0; u < NH; ++u) {
+        const T qv = V::load(q + u * hd + d);
+        ENGINE_UNROLL
+        for (int j = 0; j < 4; ++j) acc[u][j] = V::fmadd(qv, kv[j], acc[u][j]);
+      }
+    }
+    ENGINE_UNROLL
+    for (int u = 0; u < NH; ++u)
+      sums4(V::fold(acc[u][0]), V::fold(acc[u][1]), V::fold(acc[u][2]), V::fold(acc[u][3]), scores + u * stride + i);
+  }
+  for (; i < n; ++i) {
+    T acc[NH];
+    ENGINE_UNROLL
+    for (int u = 0; u < NH; ++u) acc[u] = V::zero();
+    for (int64_t d = 0; d < hd; d += V::N) {
+      const T kv = V::load(k + keys[i] + d);
+      ENGINE_UNROLL
+      for (int u = 0; u < NH; ++u) acc[u] = V::fmadd(V::load(q + u * hd + d), kv, acc[u]);
+    }
+    ENGINE_UNROLL
+    for (int u = 0; u < NH; ++u) scores[u * stride + i] = hsum(V::fold(acc[u]));
+  }
+}
+
+}  // namespace simd
+#endif
+
+// p[h * kChunk + i] = q_h . k_i over the chunk's n keys for every head (q already scaled), and the weighted sums
+// out_h += sum_i p[h * kChunk + i] v_i into the partial's rows, at `lanes` vector lanes (0: plain loops).
+template <class V, typename P>
+void chunk_scores(const Shapes& s, const float* q, const P* kc, const int64_t* keys, int64_t n, float* p) {
+#ifdef ENGINE_KERNELS_AVX2
+  if constexpr (!std::is_void_v<V>) {
+    head_runs(s, [&](auto nh, int64_t h) {
+      simd::score_keys<V, decltype(nh)::value>(q + h * s.hd, kc + h / s.group() * s.hd, keys, n, s.hd,
+                                               p + h * kChunk, kChunk);
+    });
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < s.heads; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      float acc = 0;
+      for (int64_t d = 0; d < s.hd; ++d) acc += q[h * s.hd + d] * widen(kc[keys[i] + h / s.group() * s.hd + d]);
+      p[h * kChunk + i] = acc;
+    }
+}
+
+template <class V, typename P>
+void chunk_values(const Shapes& s, const float* p, const P* vc, const int64_t* keys, int64_t n, float* partial) {
+  const int64_t stride = s.hd + 2;
+#ifdef ENGINE_KERNELS_AVX2
+  if constexpr (!std::is_void_v<V>) {
+    head_runs(s, [&](auto nh, int64_t h) {
+      constexpr int NH = decltype(nh)::value;
+      float* o[NH];
+      for (int u = 0; u < NH; ++u) o[u] = partial + (h + u) * stride + 2;
+      simd::weighted_rows<V, NH, true>(p + h * kChunk, kChunk, 1, keys, n, vc + h / s.group() * s.hd, s.hd, o);
+    });
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < s.heads; ++h) {
+    float* o = partial + h * stride + 2;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < s.hd; ++d) o[d] += p[h * kChunk + i] * widen(vc[keys[i] + h / s.group() * s.hd + d]);
+  }
+}
+
+// The largest of p[0, n).
+inline float max_score(const float* p, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#ifdef ENGINE_KERNELS_AVX2
+  __m256 t = _mm256_set1_ps(top);  // eight running maxima: a scalar max is one long latency chain
+  for (; i + 8 <= n; i += 8) t = _mm256_max_ps(t, _mm256_loadu_ps(p + i));
+  for (int lane = 0; lane < 8; ++lane) top = std::max(top, t[lane]);
+#endif
+  for (; i < n; ++i) top = std::max(top, p[i]);
+  return top;
+}
+
+// p[0, n) <- exp(p - top) (top >= every p); returns their sum.
+inline float exp_sum(float* p, int64_t n, float top) {
+  float sum = 0;
+  int64_t i = 0;
+#ifdef ENGINE_KERNELS_AVX2
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = simd::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), t));
+    _mm256_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = simd::hsum(acc);
+#endif
+  for (; i < n; ++i) sum += (p[i] = std::exp(p[i] - top));
+  return sum;
+}
+
+// The chunk's scores p[0, n) of one head (softcap applied here) folded into its running [m, l, out[hd]].
+inline void merge_chunk(float* p, int64_t n, float softcap, int64_t hd, float* running) {
+  if (softcap > 0)
+    for (int64_t i = 0; i < n; ++i) p[i] = softcap * std::tanh(p[i] / softcap);
+  const float top = std::max(running[0], max_score(p, n));
+  if (top > running[0] && running[0] != -std::numeric_limits<float>::infinity()) {
+    const float rescale = std::exp(running[0] - top);
+    for (int64_t c = 1; c < hd + 2; ++c) running[c] *= rescale;
+  }
+  running[0] = top;
+  running[1] += exp_sum(p, n, top);
+}
+
+template <class V, typename P>
+void attend_keys(const Shapes& s, float softcap, const float* q, const P* kc, const P* vc, const int64_t* keys,
+                 int64_t n, float* partial, float* p) {
+  const int64_t row_bytes = s.kv_heads * s.hd * static_cast<int64_t>(sizeof(P));
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t count = std::min(kChunk, n - c);
+    stage(kc, keys + c, count, row_bytes);
+    chunk_scores<V>(s, q, kc, keys + c, count, p);
+    for (int64_t h = 0; h < s.heads; ++h) merge_chunk(p + h * kChunk, count, softcap, s.hd, partial + h * (s.hd + 2));
+    stage(vc, keys + c, count, row_bytes);
+    chunk_values<V>(s, p, vc, keys + c, count, partial);
+  }
+}
+
+// The item (token row `row` of query row q, share `part` of `parts` of its visible keys) into partial
+// [heads, hd + 2].
+template <typename P>
+void attend_part(const Shapes& s, float scale, float softcap, const float* q, const P* kc, const P* vc,
+                 const int64_t* kv_slots, const bool* mask, int64_t row, int64_t part, int64_t parts,
+                 float* partial, Scratch& x) {
+  const int64_t b = row / s.qmax, kv_width = s.kv_heads * s.hd, stride = s.hd + 2;
+  const bool* m = mask + row * s.lmax;
+  int64_t seen = 0;
+  for (int64_t l = 0; l < s.lmax; ++l) seen += m[l];
+  const int64_t first = seen * part / parts, last = seen * (part + 1) / parts;
+  x.visible.clear();
+  for (int64_t l = 0, i = 0; l < s.lmax && i < last; ++l)
+    if (m[l] && i++ >= first) x.visible.push_back(kv_slots[b * s.lmax + l] * kv_width);
+  for (int64_t h = 0; h < s.heads; ++h) {
+    partial[h * stride] = -std::numeric_limits<float>::infinity();
+    std::fill(partial + h * stride + 1, partial + (h + 1) * stride, 0.0f);
+  }
+  x.q.assign(q, q + s.heads * s.hd);
+  for (float& e : x.q) e *= scale;
+  x.scores.resize(static_cast<size_t>(s.heads * kChunk));
+  const int64_t n = static_cast<int64_t>(x.visible.size());
+  const int64_t* keys = x.visible.data();
+#ifdef __AVX512F__
+  if (s.hd % 16 == 0) return attend_keys<simd::V16>(s, softcap, x.q.data(), kc, vc, keys, n, partial, x.scores.data());
+#endif
+#ifdef ENGINE_KERNELS_AVX2
+  if (s.hd % 8 == 0) return attend_keys<simd::V8>(s, softcap, x.q.data(), kc, vc, keys, n, partial, x.scores.data());
+#endif
+  attend_keys<void>(s, softcap, x.q.data(), kc, vc, keys, n, partial, x.scores.data());
+}
+
+// out[heads * hd] of one token from its `parts` partials: the shares rescaled to the common maximum.
+inline void combine(const Shapes& s, const float* partials, int64_t parts, float* out) {
+  const int64_t hd = s.hd, stride = hd + 2, size = partial_size(s);
+  for (int64_t u = 0; u < s.heads; ++u) {
+    float top = -std::numeric_limits<float>::infinity(), total = 0;
+    for (int64_t j = 0; j < parts; ++j) top = std::max(top, partials[j * size + u * stride]);
+    float* o = out + u * hd;
+    std::fill(o, o + hd, 0.0f);
+    if (top == -std::numeric_limits<float>::infinity()) continue;  // no visible key: zeros
+    for (int64_t j = 0; j < parts; ++j) {
+      const float* pj = partials + j * size + u * stride;
+      if (pj[0] == -std::numeric_limits<float>::infinity()) continue;
+      const float w = std::exp(pj[0] - top);
+      total += w * pj[1];
+      for (int64_t d = 0; d < hd; ++d) o[d] += w * pj[2 + d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+  }
+}
+
+}  // namespace engine_kernels
