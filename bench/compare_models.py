@@ -34,6 +34,11 @@ ENGINE_VARIANTS: dict[str, tuple[list[str], str]] = {
                      "int8_wo + lm_head int8, KV cache int8"),
     "int4-lmq-kv8": (["--dtype", "int4_wo", "--quantize-lm-head", "--kv-cache-dtype", "int8"],
                      "int4_wo g32, Q4_1 blocks kept + lm_head int4, KV cache int8"),
+    "fp32-kv16": (["--dtype", "float32", "--kv-cache-dtype", "float16"], "float32, KV cache float16"),
+    "int8-lmq-kv16": (["--dtype", "int8_wo", "--quantize-lm-head", "--kv-cache-dtype", "float16"],
+                      "int8_wo + lm_head int8, KV cache float16"),
+    "int4-lmq-kv16": (["--dtype", "int4_wo", "--quantize-lm-head", "--kv-cache-dtype", "float16"],
+                      "int4_wo g32, Q4_1 blocks kept + lm_head int4, KV cache float16"),
 }
 ORTGENAI_PRECISIONS = ("int4", "int8", "fp32")
 TIMED_BUILD_VARIANT = "int8"

@@ -329,7 +329,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant, plugins),
         precision=precision_of(ckpt, build, quant), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
-    kv_quantized = build.kv_cache_dtype != "float32"
+    kv_quantized = build.kv_cache_dtype in kv_cache.QUANTIZED
     with atomic_output_dir(out_dir, force=force) as tmp, ReferenceEngine(ckpt_dir, config, tmp.parent) as reference:
         calibrated = None
         float_tensors = (dict(rank_tensors(ckpt_dir, ckpt, 1, 0))
@@ -365,7 +365,8 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         copy_tokenizer_files(ckpt_dir, tmp)
         # last: the manifest lists every other file (the accuracy report below changes config.json only)
         config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)
-        if (quant.mode is not None or kv_quantized) and accuracy.eval_tokens and build.backend == "onnxruntime":
+        scored = quant.mode is not None or build.kv_cache_dtype != "float32"   # against float weights and KV
+        if scored and accuracy.eval_tokens and build.backend == "onnxruntime":
             report = reference.accuracy_report(tmp, accuracy, ckpt.generation.bos_token_id)
             config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
             save_config(tmp, config)

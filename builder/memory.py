@@ -134,7 +134,7 @@ def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | Non
     logits = min(build.max_batch_size, tokens) * padded_vocab_size(model, tp) // tp
     activation = compute * (tokens * widest + scores + gathered_kv + logits)
     weights = rank_weight_bytes(model, tp, build.max_seq_len, quant, plugins)
-    if build.kv_cache_dtype != "float32":
+    if build.kv_cache_dtype in kv_cache.QUANTIZED:
         weights += model.num_layers * 2 * kv_size * compute  # the K and V scales, per axis of a pool row
     return MemoryPlan(weight_bytes_per_rank=(weights,) * tp, activation_bytes=activation,
                       kv_bytes_per_token=kv_per_token, kv_bytes_per_block=kv_per_token * build.tokens_per_block)

@@ -64,7 +64,7 @@ from engine.plugins.linear import linear, quantized_gather, quantized_linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
 from engine.quantization.calibrated import CALIBRATED, SHARED_TABLE
-from engine.quantization.kv_cache import layer_scales
+from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
 from engine.quantization.weight_only import BITS, WeightOnlyScheme, quantize
 
 from .graph import MS_DOMAIN, Graph
@@ -79,9 +79,10 @@ class _Builder:
         # the pools' element type: float32, or int8 / fp8 (e4m3 codes in uint8) with the calibrated scales of
         # quant.kv_cache (kv_cache.py)
         self.kv_dtype = build.kv_cache_dtype
-        self.kv_quantized = build.kv_cache_dtype != "float32"
+        self.kv_quantized = build.kv_cache_dtype in KV_QUANTIZED
         assert not self.kv_quantized or quant.kv_cache, "a quantized KV cache needs its calibrated scales"
-        self.kv_type = {"float32": TensorProto.FLOAT, "int8": TensorProto.INT8, "fp8": TensorProto.UINT8}[self.kv_dtype]
+        self.kv_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8,
+                        "fp8": TensorProto.UINT8}[self.kv_dtype]
         # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales; int4_awq
         # layers that keep the checkpoint's 4-bit blocks (source_grid) are not calibrated, only its lm_head is
         self.calibrated = quant.mode in CALIBRATED

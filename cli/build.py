@@ -40,10 +40,12 @@ def build_command(
                                        "sequences together (tokens); longer prompts are prefilled in chunks."),
     tokens_per_block: int = typer.Option(32, "--tokens-per-block", help="Tokens per KV-cache block (tokens, a "
                                          "power of two)."),
-    kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32, int8 or fp8 (1 "
-                                       "byte per element, 4x the tokens in the same memory; per-KV-head scales "
-                                       "calibrated at build from --calib-data or sampled text; fp8 is e4m3, emulated "
-                                       "on the CPU: int8 is more precise and faster there)."),
+    kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32; float16 (2 "
+                                       "bytes per element: 2x the tokens in the same memory, half the bytes a "
+                                       "decode step reads, no calibration); int8 or fp8 (1 byte per element, 4x "
+                                       "the tokens; per-KV-head scales calibrated at build from --calib-data or "
+                                       "sampled text; fp8 is e4m3, emulated on the CPU: int8 is more precise and "
+                                       "faster there)."),
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32; float16/bfloat16 are accepted and "
                               "computed in float32 on ONNX Runtime CPU (see `engine inspect`). Quantized modes "
                               "(TensorRT-LLM names): int8_wo, int4_wo (weight-only RTN, quantized at build); "
@@ -122,7 +124,7 @@ def build_command(
     from engine.quantization import modes
     from engine.quantization.accuracy import AccuracyOptions
     from engine.quantization.calibrate import CalibrationOptions
-    from engine.quantization.kv_cache import KV_CALIBRATION
+    from engine.quantization.kv_cache import KV_CALIBRATION, QUANTIZED as KV_QUANTIZED
 
     if workers < 1:
         raise EngineError(f"--workers {workers} must be at least 1", usage=True)
@@ -135,9 +137,10 @@ def build_command(
         weight_only_quant_matmul_plugin=_switch("--weight-only-quant-matmul-plugin",
                                                 weight_only_quant_matmul_plugin))
     compute_dtype, mode = modes.split_dtype(dtype)
-    kv_quantized = kv_cache_dtype != "float32"   # calibrated and scored like a quantized --dtype
+    kv_quantized = kv_cache_dtype in KV_QUANTIZED   # calibrated and scored like a quantized --dtype
+    kv_scored = kv_cache_dtype != "float32"        # float16: scored, not calibrated
     if mode is None and (group_size is not None or quantize_lm_head or quant_accuracy_level is not None
-                         or (not kv_quantized and (max_ppl_increase is not None or eval_data is not None))):
+                         or (not kv_scored and (max_ppl_increase is not None or eval_data is not None))):
         raise EngineError(f"--group-size, --quantize-lm-head, --quant-accuracy-level, --eval-data and "
                           f"--max-ppl-increase apply to quantized builds; --dtype {dtype} is not one: pass "
                           f"--dtype {' or '.join(modes.IMPLEMENTED)}", usage=True)

@@ -55,8 +55,10 @@ from . import e4m3
 # Masked scores are replaced (not offset) by this: finite, so an all-masked padded row softmaxes to a uniform
 # average instead of NaN, and far below any real score, so exp() of it is exactly 0 beside a visible key.
 MASKED_SCORE = -1e30
+FLOAT16_MAX = 65504.0
 # the engine's kernel (plugins/kernels/paged_attention.cc) for each pool dtype
-KERNELS = {"float32": "PagedAttention", "int8": "PagedAttentionInt8", "fp8": "PagedAttentionFp8"}
+KERNELS = {"float32": "PagedAttention", "float16": "PagedAttentionFp16", "int8": "PagedAttentionInt8",
+           "fp8": "PagedAttentionFp8"}
 
 
 def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, scale: str | None = None,
@@ -64,10 +66,14 @@ def write_kv(g: Graph, cache: str, slot_mapping: str, new: str, *, name: str, sc
     """ScatterND rows new [T, kv_size] into cache [num_slots, kv_size] at slot_mapping [T]; returns the updated
     cache. The runtime binds the result to the buffer of `cache`, so ORT writes in place (DESIGN.md). A quantized
     pool (`scale` float32 [kv_size] = `channels`) first quantizes the rows: int8 round(new / scale) saturated, fp8
-    the e4m3 codes of new / scale (plugins/e4m3.py; `kernel`: in the engine's op)."""
+    the e4m3 codes of new / scale (plugins/e4m3.py; `kernel`: in the engine's op). A float16 pool stores the rows
+    rounded to float16, saturated at +-65504 (never an infinity: the kernel's stores do the same)."""
     op = g.scope(name)
     index = op("Unsqueeze", [slot_mapping, g.const([1])])   # [T, 1]: one index tuple per row
-    if kv_dtype == "int8":
+    if kv_dtype == "float16":
+        new = op("Cast", [op("Clip", [new, g.const(-FLOAT16_MAX, np.float32), g.const(FLOAT16_MAX, np.float32)])],
+                 to=TensorProto.FLOAT16)
+    elif kv_dtype == "int8":
         new = op("QuantizeLinear", [new, scale], axis=-1, output_dtype=TensorProto.INT8)
     elif kv_dtype == "fp8":
         new = e4m3.encode(g, op, new, scale, channels, kernel=kernel)
@@ -113,7 +119,7 @@ def rotary_paged_attention(g: Graph, qkv: str, positions: str, cos: str, sin: st
     _check_heads(num_heads, num_kv_heads, softcap)
     op = g.scope(name)
     inputs = [qkv, positions, cos, sin, kcache, vcache, slot_mapping, q_index, kv_slots, mask, out_index]
-    if kv_dtype != "float32":
+    if kv_dtype in ("int8", "fp8"):
         inputs += [k_scale, v_scale]
     out, kc, vc = op(f"Rotary{KERNELS[kv_dtype]}", inputs, outputs=3, domain=ENGINE_DOMAIN, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, scale=float(scale), softcap=float(softcap or 0))
@@ -134,7 +140,7 @@ def _gathered(g: Graph, op: Scope, q: str, kcache: str, vcache: str, *, q_index:
     qb = op("Gather", [q, q_index], axis=0)         # [B, Qmax, heads*hd]
     kb = op("Gather", [kcache, kv_slots], axis=0)   # [B, Lmax, kv*hd]
     vb = op("Gather", [vcache, kv_slots], axis=0)
-    if kv_dtype == "int8":
+    if kv_dtype in ("int8", "float16"):
         kb = op("Cast", [kb], to=TensorProto.FLOAT)
         vb = op("Cast", [vb], to=TensorProto.FLOAT)
     elif kv_dtype == "fp8":

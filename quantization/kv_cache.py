@@ -29,9 +29,9 @@ from engine.core.errors import EngineError
 
 from .calibrate import CalibrationOptions, Sampler
 
-KV_CACHE_DTYPES = ("float32", "int8", "fp8")   # the names --kv-cache-dtype knows (TensorRT-LLM's)
-QUANTIZED = ("int8", "fp8")                    # built and run
-BYTES = {"float32": 4, "int8": 1, "fp8": 1}
+KV_CACHE_DTYPES = ("float32", "float16", "int8", "fp8")   # the names --kv-cache-dtype knows
+QUANTIZED = ("int8", "fp8")   # with calibrated scales; float16 pools store the values rounded, no scales
+BYTES = {"float32": 4, "float16": 2, "int8": 1, "fp8": 1}
 RANGE = {"int8": 127.0, "fp8": 448.0}          # the absmax a scale maps to
 MIN_AMAX = 1e-6  # a head that stayed 0 over calibration keeps a finite scale (its values then saturate, never NaN)
 # default calibration data of a KV cache alone (a calibrated --dtype uses its own, larger, default): absmax needs far
@@ -44,7 +44,7 @@ def check_kv_cache_dtype(name: str, backend: str) -> None:
     """Refuse a KV dtype this backend cannot run, naming what can."""
     if name not in KV_CACHE_DTYPES:
         raise EngineError(f"--kv-cache-dtype {name!r} is unknown; use {', '.join(KV_CACHE_DTYPES)}", usage=True)
-    if name in QUANTIZED and backend == "tensorrt":
+    if name != "float32" and backend == "tensorrt":
         raise EngineError(f"--kv-cache-dtype {name} is built for --backend onnxruntime only (the TensorRT engine "
                           f"ping-pongs float32 pools; {name} ones could not be verified without a GPU); pass "
                           "--backend onnxruntime or --kv-cache-dtype float32", usage=True)

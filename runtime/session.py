@@ -71,7 +71,8 @@ class EngineSession:
 
 
 # the pool element of each --kv-cache-dtype an engine may have (quantization/kv_cache.py builds them)
-KV_POOL_DTYPES = {"float32": np.float32, "int8": np.int8, "fp8": np.uint8}   # fp8: e4m3 codes (plugins/e4m3.py)
+KV_POOL_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8,
+                  "fp8": np.uint8}   # fp8: e4m3 codes (plugins/e4m3.py)
 
 
 def kv_pool_dtype(kv_cache_dtype: str) -> type:

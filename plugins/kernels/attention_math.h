@@ -1,5 +1,5 @@
 // The attention math shared by plugins/kernels/paged_attention.cc's work items: the pools' element types (float,
-// int8, e4m3 codes) and how rows are stored into them, the shapes of a step, and the vector helpers of
+// float16, int8, e4m3 codes) and how rows are stored into them, the shapes of a step, and the vector helpers of
 // attention_decode.h (a token at a time: decodes, short rows) and attention_tiles.h (rows of several tokens).
 #pragma once
 
@@ -44,8 +44,10 @@ inline uint8_t e4m3_code(float v) {
   return sign | static_cast<uint8_t>(biased << 3 | mantissa);
 }
 
-// A float stored into a pool of P: as is; int8 rounded half to even and saturated (QuantizeLinear); fp8 its code.
+// A float stored into a pool of P: as is; float16 rounded to nearest even and saturated to +-65504 (so a pool never
+// holds an infinity; NaN stays NaN); int8 rounded half to even and saturated (QuantizeLinear); fp8 its code.
 inline void store(float x, float* to) { *to = x; }
+inline void store(float x, _Float16* to) { *to = static_cast<_Float16>(std::clamp(x, -65504.0f, 65504.0f)); }
 inline void store(float x, int8_t* to) { *to = static_cast<int8_t>(std::clamp(std::nearbyint(x), -128.0f, 127.0f)); }
 inline void store(float x, uint8_t* to) { *to = e4m3_code(x); }
 
@@ -56,6 +58,7 @@ inline void write_row(const float* x, const float* scale, int64_t n, P* to) {
 }
 
 inline float widen(float x) { return x; }
+inline float widen(_Float16 x) { return static_cast<float>(x); }
 inline float widen(int8_t x) { return static_cast<float>(x); }
 inline float widen(uint8_t code) { return kE4m3.value[code]; }
 
@@ -68,6 +71,15 @@ struct Shapes {
 namespace simd {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const _Float16* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float x[8];
+  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(x);
+#endif
+}
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -136,6 +148,7 @@ struct V16 {
   static T load(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static T load(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static T load(const uint8_t* p) {
     const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(load8(p)));
     return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(load8(p + 8)), 1));

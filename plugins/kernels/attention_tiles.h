@@ -16,8 +16,16 @@
 
 #include "attention_math.h"
 
-#ifdef ENGINE_KERNELS_AVX2
 namespace engine_kernels {
+
+// A tile: m packed tokens of row b at its query positions js (ascending), their query rows in q (q_index's
+// entries) and their output rows.
+struct Tile {
+  int64_t b, m;
+  const int64_t *js, *q_rows, *out_rows;
+};
+
+#ifdef ENGINE_KERNELS_AVX2
 
 // Query rows per tile: enough 8-lane chains to keep the FMA units busy, few enough that a tile of a causal
 // prefill wastes little on keys its earlier tokens do not see.
@@ -101,12 +109,6 @@ inline void softmax_rows(float* s, int64_t n, int64_t rpad, float* top, float* s
 
 }  // namespace simd
 
-// A tile: m packed tokens of row b at its query positions js (ascending), their query rows in q (q_index's
-// entries) and their output rows.
-struct Tile {
-  int64_t b, m;
-  const int64_t *js, *q_rows, *out_rows;
-};
 
 // Tile `t` for KV head g: the output rows of its query heads written directly into out [T, heads * hd]. q
 // [T, heads * hd] is scaled by `scale` here; pools kc, vc.
@@ -198,5 +200,5 @@ void attend_tile(const Shapes& s, float scale, float softcap, const float* q, co
   }
 }
 
-}  // namespace engine_kernels
 #endif
+}  // namespace engine_kernels

@@ -41,7 +41,7 @@ enum Slot : int {
 };
 
 // ONNXTensorElementDataType values.
-enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7, kBool = 9 };
+enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7, kBool = 9, kFloat16 = 10 };
 
 struct OrtApiBase {
   const void* (*GetApi)(uint32_t version);

@@ -1,13 +1,14 @@
 // The engine's ONNX Runtime CPU kernels: custom ops of domain "engine", compiled on first use by plugins/native.py
 // and registered with SessionOptions.register_custom_ops_library.
 //
-// PagedAttention{,Int8,Fp8}: attention of each packed token over its row's context, read from the paged K/V pools
+// PagedAttention{,Fp16,Int8,Fp8}: attention of each packed token over its row's context, read from the paged K/V pools
 // in place through the row's slot list (the plain lowering gathers every row's context into a copy first, which was
 // half of a decode step's non-matmul time: bench/NOTES.md entries 10 and 23). Inputs and semantics are those of
 // plugins/attention.py's paged_attention:
 //
 //   0 q          float [T, heads*hd]          rotary applied; for quantized pools already scaled by k_scale
-//   1 kcache     P     [num_slots, kv*hd]     P = float (PagedAttention), int8 (Int8), e4m3 codes in uint8 (Fp8)
+//   1 kcache     P     [num_slots, kv*hd]     P = float (PagedAttention), float16 (Fp16), int8 (Int8), e4m3
+//                                             codes in uint8 (Fp8)
 //   2 vcache     P     [num_slots, kv*hd]
 //   3 q_index    int64 [B, Qmax]              packed token of query j of row b
 //   4 kv_slots   int64 [B, Lmax]              pool slot of context token l of row b
@@ -165,7 +166,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
             static_cast<const P*>(vc.data), in[3], in[4], in[5], in[6], out);
 }
 
-// RotaryPagedAttention{,Int8,Fp8}: the q/k rotary, the write of the step's K/V into the pools and PagedAttention in
+// RotaryPagedAttention{,Fp16,Int8,Fp8}: the q/k rotary, the write of the step's K/V into the pools and PagedAttention in
 // one op (plugins/attention.py, rotary_paged_attention).
 //   0 qkv           float [T, (heads + 2 kv) * hd]   q | k | v of each packed token, before rotary
 //   1 positions     int64 [T]
@@ -174,7 +175,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
 //   5 vcache        P     [num_slots, kv * hd]
 //   6 slot_mapping  int64 [T]                        pool slot of each token's K/V
 //   7-10            q_index, kv_slots, mask, out_index, as PagedAttention's 3-6
-//   11 k_scale, 12 v_scale  float [kv * hd]          quantized pools only: rows are stored as x / scale, int8
+//   11 k_scale, 12 v_scale  float [kv * hd]          int8 / fp8 pools only: rows are stored as x / scale, int8
 //                                                    rounded half to even and saturated, fp8 as e4m3_code; q is
 //                                                    scaled by k_scale and the output by v_scale per query head
 //   out 0           float [T, heads * hd]            as PagedAttention's
@@ -225,7 +226,7 @@ void rotary_item(void* opaque, size_t i) {
 template <typename P>
 void compute_rotary(const Kernel& k, OrtKernelContext* context) {
   constexpr const char* name = "RotaryPagedAttention";
-  const bool quantized = !std::is_same_v<P, float>;
+  const bool quantized = std::is_same_v<P, int8_t> || std::is_same_v<P, uint8_t>;  // scaled pools
   const std::vector<Tensor> in = inputs(k.api, context, quantized ? 13 : 11);
   const auto &qkv = in[0], &positions = in[1], &cos = in[2], &sin = in[3], &kc = in[4], &vc = in[5],
              &slot_mapping = in[6];
@@ -298,6 +299,7 @@ void compute_op(const Kernel& k, OrtKernelContext* context) {
 void kernel_compute(void* opaque, OrtKernelContext* context) {
   const auto& k = *static_cast<Kernel*>(opaque);
   if (k.pool_type == kFloat) compute_op<float>(k, context);
+  else if (k.pool_type == kFloat16) compute_op<_Float16>(k, context);
   else if (k.pool_type == kInt8) compute_op<int8_t>(k, context);
   else compute_op<uint8_t>(k, context);
 }
@@ -327,7 +329,8 @@ PagedAttentionOp make_rotary_op(const char* name, int pool_type) {
     return i == 4 || i == 5 ? static_cast<PagedAttentionOp*>(o)->pool_type : types[i];
   };
   op.GetInputTypeCount = [](CustomOp* o) {
-    return size_t{static_cast<PagedAttentionOp*>(o)->pool_type == kFloat ? 11u : 13u};  // + k_scale, v_scale
+    const int pool = static_cast<PagedAttentionOp*>(o)->pool_type;
+    return size_t{pool == kInt8 || pool == kUint8 ? 13u : 11u};  // + k_scale, v_scale
   };
   op.GetOutputType = [](CustomOp* o, size_t i) {
     return i == 0 ? static_cast<int>(kFloat) : static_cast<PagedAttentionOp*>(o)->pool_type;
@@ -336,8 +339,10 @@ PagedAttentionOp make_rotary_op(const char* name, int pool_type) {
   return op;
 }
 
-PagedAttentionOp kOps[6] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionInt8", kInt8),
-                            make_op("PagedAttentionFp8", kUint8), make_rotary_op("RotaryPagedAttention", kFloat),
+PagedAttentionOp kOps[8] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionFp16", kFloat16),
+                            make_op("PagedAttentionInt8", kInt8), make_op("PagedAttentionFp8", kUint8),
+                            make_rotary_op("RotaryPagedAttention", kFloat),
+                            make_rotary_op("RotaryPagedAttentionFp16", kFloat16),
                             make_rotary_op("RotaryPagedAttentionInt8", kInt8),
                             make_rotary_op("RotaryPagedAttentionFp8", kUint8)};
 

@@ -88,7 +88,7 @@ def test_existing_output_dir_needs_force(tiny, tmp_path, monkeypatch, capsys):
     (["--max-batch-size", "0"], "--max-batch-size 0 must be at least 1"),
     (["--tokens-per-block", "24"], "--tokens-per-block 24 is not a power of two"),
     (["--max-num-tokens", "4"], "--max-num-tokens 4 is below --max-batch-size 32"),
-    (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype 'fp16' is unknown; use float32, int8, fp8"),
+    (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype 'fp16' is unknown; use float32, float16, int8, fp8"),
     (["--dtype", "w4a8_awq"], "--dtype w4a8_awq is not implemented yet"),
     (["--dtype", "int3_wo"], "--dtype 'int3_wo' is unknown"),
     (["--dtype", "int8_wo", "--group-size", "128"], "group size 128 does not divide the 64 input features"),

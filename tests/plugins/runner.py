@@ -19,7 +19,7 @@ from engine.plugins import native
 
 ONNX_TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int64): onnx.TensorProto.INT64,
               np.dtype(np.bool_): onnx.TensorProto.BOOL, np.dtype(np.int8): onnx.TensorProto.INT8,
-              np.dtype(np.uint8): onnx.TensorProto.UINT8}
+              np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.float16): onnx.TensorProto.FLOAT16}
 
 
 def build(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray]) -> tuple[Graph, list[str]]:

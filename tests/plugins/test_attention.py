@@ -147,17 +147,19 @@ def test_kernel_on_two_threads_equals_one(steps):
     np.testing.assert_array_equal(run_op(graph, step.feeds, threads=2), run_op(graph, step.feeds, threads=1))
 
 
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx2"]], ids=["avx2", "plain"])
 @pytest.mark.parametrize("steps", ["long-decode", "tiles"])
-def test_kernel_without_avx512_computes_the_same(steps, tmp_path, monkeypatch):
-    """The kernel library compiled without AVX-512 (8-lane vectors, as on AVX2-only CPUs) computes the same."""
+def test_kernel_on_narrower_cpus_computes_the_same(steps, flags, tmp_path, monkeypatch):
+    """The kernel library compiled without AVX-512 (8-lane vectors, as on AVX2-only CPUs) or without AVX2 (plain
+    loops) computes the same as this CPU's build."""
     step = make_step(np.random.default_rng(12), STEPS[steps], 3, 64, 9)
     graph = attention_graph(9, 3, 64, 0.125, None, "kernel")
-    wide = run_op(graph, step.feeds, threads=2)
+    native_build = run_op(graph, step.feeds, threads=2)
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, *flags])
     narrow = run_op(graph, step.feeds, threads=2)
     assert native.library().is_relative_to(tmp_path)
-    assert_close(narrow, wide)
+    assert_close(narrow, native_build)
     assert_close(narrow, reference(step, 9, 3, 64, 0.125, None))
 
 

@@ -287,7 +287,7 @@ def test_config_records_the_scales_and_inspect_shows_them(tiny, kv, described):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is unknown; use float32, int8, fp8"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is unknown; use float32, float16, int8, fp8"),
     (["--kv-cache-dtype", "float32", "--calib-size", "4"], "apply to calibrated builds"),
 ])
 def test_bad_kv_flags_are_one_line_errors(tiny, tmp_path, flags, message):
