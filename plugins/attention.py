@@ -28,6 +28,8 @@ The scales are folded out of the context instead of dequantizing it: per channel
 Σ_j p_j (s ⊙ v_j) = s ⊙ Σ_j p_j v_j, so the context [B, Lmax, kv*hd] is only cast, and the two Muls run over the
 step's T rows. DequantizeLinear per axis over the context made SmolLM2's int8-KV decode 1.9x slower than float KV
 (bench/NOTES.md entry 15). Both lowerings read the same cast K/V and scaled q, so the reference stays equivalent.
+float16 pools (--kv-cache-dtype float16) need no scales: write_kv clips the rows to +-65504 and casts them, the
+gathered context is cast back to float32 (the kernel widens each row as it reads it).
 
 Lowerings: `kernel=True` (the default build, --engine-kernels-plugin) is one node of the engine's own op
 (domain "engine", plugins/kernels/paged_attention.cc, compiled on first use by plugins/native.py) taking q, the

@@ -1,4 +1,5 @@
-"""Quantized KV cache (`engine build --kv-cache-dtype int8|fp8`): which KV dtypes exist, and their calibrated scales.
+"""KV cache dtypes (`engine build --kv-cache-dtype float16|int8|fp8`): which exist, and the calibrated scales of
+the quantized ones, int8 and fp8 (float16 pools hold the values rounded, with no scales).
 
     calibration tokens (calibrate.calibration_tokens: --calib-data, or text the float reference engine samples)
         ──▶ CanonicalLM (torch_model.py) forward with a cache list: K after rotary (and q/k norms), V, per layer

@@ -166,8 +166,8 @@ void compute(const Kernel& k, OrtKernelContext* context) {
             static_cast<const P*>(vc.data), in[3], in[4], in[5], in[6], out);
 }
 
-// RotaryPagedAttention{,Fp16,Int8,Fp8}: the q/k rotary, the write of the step's K/V into the pools and PagedAttention in
-// one op (plugins/attention.py, rotary_paged_attention).
+// RotaryPagedAttention{,Fp16,Int8,Fp8}: the q/k rotary, the write of the step's K/V into the pools and
+// PagedAttention in one op (plugins/attention.py, rotary_paged_attention).
 //   0 qkv           float [T, (heads + 2 kv) * hd]   q | k | v of each packed token, before rotary
 //   1 positions     int64 [T]
 //   2 cos, 3 sin    float [max_positions, hd / 2]    rotate_half (plugins/rotary.py): [x1 c - x2 s | x2 c + x1 s]
