@@ -14,8 +14,6 @@
 // loops.
 #pragma once
 
-#include <type_traits>
-
 #include "attention_math.h"
 
 namespace engine_kernels {
@@ -37,18 +35,6 @@ inline void stage(const P* base, const int64_t* keys, int64_t n, int64_t bytes) 
   for (int64_t i = 0; i < n; ++i) {
     const volatile char* row = reinterpret_cast<const volatile char*>(base + keys[i]);
     for (int64_t b = 0; b < bytes; b += 64) (void)row[b];
-  }
-}
-
-// f(NH, h) for the query heads h .. h + NH - 1 in runs of up to 3 within one KV head (NH an integral_constant).
-template <typename F>
-inline void head_runs(const Shapes& s, F&& f) {
-  const int64_t group = s.group();
-  for (int64_t h = 0, nh; h < s.heads; h += nh) {
-    nh = std::min<int64_t>(3, group - h % group);
-    if (nh == 3) f(std::integral_constant<int, 3>{}, h);
-    else if (nh == 2) f(std::integral_constant<int, 2>{}, h);
-    else f(std::integral_constant<int, 1>{}, h);
   }
 }
 
@@ -106,7 +92,7 @@ template <class V, typename P>
 void chunk_scores(const Shapes& s, const float* q, const P* kc, const int64_t* keys, int64_t n, float* p) {
 #ifdef ENGINE_KERNELS_AVX2
   if constexpr (!std::is_void_v<V>) {
-    head_runs(s, [&](auto nh, int64_t h) {
+    runs_of_three(s.heads, s.group(), [&](auto nh, int64_t h) {
       simd::score_keys<V, decltype(nh)::value>(q + h * s.hd, kc + h / s.group() * s.hd, keys, n, s.hd,
                                                p + h * kChunk, kChunk);
     });
@@ -126,7 +112,7 @@ void chunk_values(const Shapes& s, const float* p, const P* vc, const int64_t* k
   const int64_t stride = s.hd + 2;
 #ifdef ENGINE_KERNELS_AVX2
   if constexpr (!std::is_void_v<V>) {
-    head_runs(s, [&](auto nh, int64_t h) {
+    runs_of_three(s.heads, s.group(), [&](auto nh, int64_t h) {
       constexpr int NH = decltype(nh)::value;
       float* o[NH];
       for (int u = 0; u < NH; ++u) o[u] = partial + (h + u) * stride + 2;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -66,6 +67,18 @@ struct Shapes {
   int64_t tokens, rows, qmax, lmax, slots, heads, kv_heads, hd;
   int64_t group() const { return heads / kv_heads; }
 };
+
+// f(NH, r) for rows r .. r + NH - 1 of [0, count) in runs of up to 3 that never cross a multiple of `group` (the
+// query heads of one KV head), NH an integral_constant: the register-blocked loops are instantiated for 1-3 rows.
+template <typename F>
+inline void runs_of_three(int64_t count, int64_t group, F&& f) {
+  for (int64_t r = 0, nh; r < count; r += nh) {
+    nh = std::min<int64_t>(3, group - r % group);
+    if (nh == 3) f(std::integral_constant<int, 3>{}, r);
+    else if (nh == 2) f(std::integral_constant<int, 2>{}, r);
+    else f(std::integral_constant<int, 1>{}, r);
+  }
+}
 
 #ifdef ENGINE_KERNELS_AVX2
 namespace simd {

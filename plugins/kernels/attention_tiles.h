@@ -182,22 +182,20 @@ void attend_tile(const Shapes& s, float scale, float softcap, const float* q, co
   x.top.resize(static_cast<size_t>(rpad));
   x.sum.resize(static_cast<size_t>(rpad));
   simd::softmax_rows(sc, n, rpad, x.top.data(), x.sum.data());
-  for (int64_t r = 0; r < rows; r += 3) {
-    const int64_t nh = std::min<int64_t>(3, rows - r);
-    float* o[3];
-    for (int64_t u = 0; u < nh; ++u) {
+  runs_of_three(rows, rows, [&](auto nh, int64_t r) {   // the tile's rows, 3 at a time
+    constexpr int NH = decltype(nh)::value;
+    float* o[NH];
+    for (int u = 0; u < NH; ++u) {
       const int64_t row = r + u;
       o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
     }
-    if (nh == 3) simd::weighted_rows<simd::V8, 3, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
-    else if (nh == 2) simd::weighted_rows<simd::V8, 2, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
-    else simd::weighted_rows<simd::V8, 1, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
-    for (int64_t u = 0; u < nh; ++u) {
+    simd::weighted_rows<simd::V8, NH, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    for (int u = 0; u < NH; ++u) {
       const float total = x.sum[static_cast<size_t>(r + u)];
       const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros
       for (int64_t d = 0; d < hd; ++d) o[u][d] *= inv;
     }
-  }
+  });
 }
 
 #endif
