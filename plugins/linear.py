@@ -9,10 +9,11 @@ it builds; the caller names the initializers by their canonical tensor names.
 Quantized (`scheme` given; quantization/weight_only.py quantizes, scales stored next to their weight as
 "{stem}.weights_scaling_factor", TensorRT-LLM's name):
 
-    plugin=True, kernel=True, accuracy level 4 on a CPU with AVX-512 VNNI (plugins/quant_matmul.supported):
+    plugin=True, kernel=True, accuracy level 4 on a CPU with AVX-512 VNNI or AVX2 (plugins/quant_matmul.supported):
                    x ──engine QuantMatMul(blocks [N/16, K/g, 64 + g*16*bits/8] uint8)──▶ (+bias) y
                    one pass over the weights, scales (and a kept block's offsets) inside the blocks; measured on
-                   SmolLM2 at 2 threads: 1.7x MatMulNBits + BlockOffsets at one token, 2.5x at 512 (bench/NOTES.md)
+                   SmolLM2 at 2 threads: 1.7x MatMulNBits + BlockOffsets at one token, 2.5x at 512 on a Zen 4
+                   (VNNI; bench/NOTES.md)
     plugin=True:   x ──com.microsoft MatMulNBits(packed [N, K/g, g*bits/8] uint8, scales [N, K/g])──▶ (+bias) y
     plugin=False:  DequantizeLinear(q [K, N] int4|int8, scales [K/g, N], axis=0, block_size=g) ──▶ W^T
                    x ──MatMul(W^T)──▶ (+bias) y          (the opset-21 blocked reference, dequantized per call)

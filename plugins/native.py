@@ -61,10 +61,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (with BW): the int8 dot products of QuantMatMul (kernels/quant_matmul.cc)."""
-    flags = _cpu_flags().split()
-    return "avx512_vnni" in flags and "avx512bw" in flags
+def has_int8_dot() -> bool:
+    """Whether this CPU has the int8 dot products QuantMatMul's tiles are written for (kernels/quant_tiles.h):
+    AVX-512 VNNI (with BW), or AVX2's vpmaddubsw (with FMA)."""
+    flags = set(_cpu_flags().split())
+    return {"avx512_vnni", "avx512bw"} <= flags or {"avx2", "fma"} <= flags
 
 
 def cache_dir() -> Path:

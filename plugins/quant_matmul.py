@@ -28,8 +28,9 @@ HEADER = 64  # bytes of scales per tile and block
 def supported(group_size: int, accuracy_level: int) -> bool:
     """Whether weights in groups of `group_size` at `accuracy_level` run as QuantMatMul: it computes what
     MatMulNBits does at level 4 (activations rounded to int8) in blocks of whole sub-blocks, and only where the CPU
-    has the int8 dot products it is written for (elsewhere its plain loops would be slower than MatMulNBits)."""
-    return accuracy_level == 4 and group_size % SUB == 0 and native.has_vnni()
+    has the int8 dot products it is written for, AVX-512 VNNI or AVX2 (elsewhere its plain loops would be slower
+    than MatMulNBits)."""
+    return accuracy_level == 4 and group_size % SUB == 0 and native.has_int8_dot()
 
 
 def runs(group_size: int, accuracy_level: int, *, plugin: bool, kernel: bool) -> bool:

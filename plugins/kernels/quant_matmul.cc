@@ -16,53 +16,28 @@
 //
 // QuantGather (below) reads rows of the same blocks: a tied embedding and a quantized lm_head share one table.
 //
-// With AVX-512 VNNI each block's dot products are vpdpbusd of the unsigned weights against broadcast groups of 4
-// activations, a tile's columns in the 16 lanes; up to 4 rows share each unpacked weight register. Items (a chunk
-// of rows x a chunk of tiles) run on ORT's intra-op threads. Without VNNI, plain loops with the same arithmetic.
+// The tiles' vector code (AVX-512 VNNI, AVX2) is in quant_tiles.h. Items (a chunk of rows x a chunk of tiles) run
+// on ORT's intra-op threads.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "ort_abi.h"
-#include "simd.h"
-
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define ENGINE_KERNELS_VNNI 1
-#endif
+#include "quant_tiles.h"
 
 namespace engine_kernels {
 namespace {
 
+using namespace quant;  // NOLINT: the tiles' job, layout constants and helpers
+
 constexpr const char* kName = "QuantMatMul";
-constexpr int64_t kLanes = 16;     // columns per tile
-constexpr int64_t kSub = 32;       // K values per sub-block
-constexpr int64_t kHeader = 64;    // bytes of a block's scales
-constexpr int64_t kRowChunk = 64;  // rows per work item
-constexpr int kRows = 4;           // rows sharing each unpacked weight register
 
 struct QuantKernel {
   Api api;
   int64_t n, bits, group;
   bool offsets;
 };
-
-struct Activations {
-  std::vector<int8_t> q;     // [T, K]
-  std::vector<float> d;      // [T, K / group]: da
-  std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
-};
-
-struct QuantJob {
-  const float* x;
-  const uint8_t* w;
-  float* out;
-  Activations* a;
-  int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
-  bool offsets;
-};
-
-inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
 
 // Row t of x -> its int8 values, scales and sums, one block at a time.
 void quantize_row(void* opaque, size_t t) {
@@ -87,6 +62,22 @@ void quantize_row(void* opaque, size_t t) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + e), _mm512_cvtepi32_epi8(v));
     }
     sum = _mm512_reduce_add_epi32(total);
+#elif defined(ENGINE_KERNELS_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (; e < j.group; e += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + e)));
+    for (int lane = 0; lane < 8; ++lane) amax = std::max(amax, m[lane]);
+    const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    __m256i total = _mm256_setzero_si256();
+    for (e = 0; e < j.group; e += 8) {
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + e), inv));  // nearest, ties even
+      total = _mm256_add_epi32(total, v);
+      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + e), _mm_packs_epi16(w, w));
+    }
+    int32_t lanes[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), total);
+    for (int lane = 0; lane < 8; ++lane) sum += lanes[lane];
 #else
     for (; e < j.group; ++e) amax = std::max(amax, std::fabs(xb[e]));
     const float inv = amax > 0 ? 127.0f / amax : 0.0f;
@@ -99,135 +90,6 @@ void quantize_row(void* opaque, size_t t) {
     j.a->sum[static_cast<size_t>(t * j.groups + b)] = sum;
   }
 }
-
-// q of column c (0..15) at k = kk (0..31) of one sub-block's bytes, as the header comment lays them out.
-inline int32_t weight_at(const uint8_t* p, int64_t bits, int64_t c, int64_t kk) {
-  if (bits == 8) return p[64 * (kk / 4) + 4 * c + kk % 4];
-  const uint8_t v = p[64 * ((kk % 16) / 4) + 4 * c + kk % 4];
-  return kk < 16 ? v & 0x0F : v >> 4;
-}
-
-float half_to_float(const uint8_t* p) {
-  const uint32_t h = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
-  const float magnitude = (h & 0x7C00) ? std::ldexp(static_cast<float>((h & 0x3FF) | 0x400), ((h >> 10) & 0x1F) - 25)
-                                       : std::ldexp(static_cast<float>(h & 0x3FF), -24);
-  return (h & 0x8000) ? -magnitude : magnitude;
-}
-
-#ifdef ENGINE_KERNELS_VNNI
-// The 8 registers of one sub-block: register i holds the 4 values k = 4 i .. 4 i + 3 of each column.
-template <int Bits>
-inline void load_sub(const uint8_t* p, __m512i w[8]) {
-  if constexpr (Bits == 8) {
-    ENGINE_UNROLL
-    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 64 * i);
-  } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    ENGINE_UNROLL
-    for (int l = 0; l < 4; ++l) {
-      const __m512i v = _mm512_loadu_si512(p + 64 * l);
-      w[l] = _mm512_and_si512(v, low);
-      w[l + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-  }
-}
-
-// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16).
-template <int Bits, bool Offsets, int R>
-void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
-  const int64_t subs = j.group / kSub;
-  const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
-  const int8_t* qa = j.a->q.data() + t0 * j.k;
-  const float* da = j.a->d.data() + t0 * j.groups;
-  const int32_t* sum = j.a->sum.data() + t0 * j.groups;
-  __m512 acc[R];
-  ENGINE_UNROLL
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < j.groups; ++b) {
-    const uint8_t* header = p;
-    p += kHeader;
-    __m512i dot[R][2];  // two chains a row: vpdpbusd's latency, not its throughput, would bound one
-    ENGINE_UNROLL
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-    for (int64_t s = 0; s < subs; ++s, p += sub_bytes(Bits)) {
-      __m512i w[8];
-      load_sub<Bits>(p, w);
-      ENGINE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + b * j.group + s * kSub);
-        ENGINE_UNROLL
-        for (int i = 0; i < 8; ++i) dot[r][i & 1] = _mm512_dpbusd_epi32(dot[r][i & 1], w[i], _mm512_set1_epi32(a[i]));
-      }
-    }
-    if constexpr (Offsets) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
-      ENGINE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const float scale = da[r * j.groups + b];
-        const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[r][0], dot[r][1]));
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(scale * static_cast<float>(sum[r * j.groups + b])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(d, _mm512_set1_ps(scale)), acc[r]);
-      }
-    } else {
-      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
-      ENGINE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m512i zero = _mm512_set1_epi32((1 << (Bits - 1)) * sum[r * j.groups + b]);
-        const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(dot[r][0], dot[r][1]), zero));
-        acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(d, _mm512_set1_ps(da[r * j.groups + b])), acc[r]);
-      }
-    }
-  }
-  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-  ENGINE_UNROLL
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(j.out + (t0 + r) * j.n + tile * kLanes, keep, acc[r]);
-}
-
-template <int Bits, bool Offsets>
-void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols) {
-  int64_t t = t0;
-  for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows>(j, tile, t, cols);
-  switch (t1 - t) {
-    case 3: tile_rows<Bits, Offsets, 3>(j, tile, t, cols); break;
-    case 2: tile_rows<Bits, Offsets, 2>(j, tile, t, cols); break;
-    case 1: tile_rows<Bits, Offsets, 1>(j, tile, t, cols); break;
-    default: break;
-  }
-}
-
-void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
-  if (j.bits == 4) j.offsets ? tile<4, true>(j, tl, t0, t1, cols) : tile<4, false>(j, tl, t0, t1, cols);
-  else j.offsets ? tile<8, true>(j, tl, t0, t1, cols) : tile<8, false>(j, tl, t0, t1, cols);
-}
-#else
-void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
-  const int64_t subs = j.group / kSub;
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint8_t* p = j.w + tl * j.groups * j.block_bytes;
-      float acc = 0;
-      for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes) {
-        int32_t dot = 0;
-        for (int64_t s = 0; s < subs; ++s)
-          for (int64_t kk = 0; kk < kSub; ++kk)
-            dot += weight_at(p + kHeader + s * sub_bytes(j.bits), j.bits, c, kk) *
-                   j.a->q[static_cast<size_t>(t * j.k + b * j.group + s * kSub + kk)];
-        const float scale = j.a->d[static_cast<size_t>(t * j.groups + b)];
-        const int32_t sum = j.a->sum[static_cast<size_t>(t * j.groups + b)];
-        if (j.offsets) {
-          acc = std::fma(half_to_float(p + 32 + 2 * c), scale * static_cast<float>(sum), acc);
-          acc = std::fma(static_cast<float>(dot), half_to_float(p + 2 * c) * scale, acc);
-        } else {
-          float d;
-          std::memcpy(&d, p + 4 * c, sizeof d);
-          acc = std::fma(static_cast<float>(dot - (1 << (j.bits - 1)) * sum), d * scale, acc);
-        }
-      }
-      j.out[t * j.n + tl * kLanes + c] = acc;
-    }
-}
-#endif
 
 // Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk).
 void matmul_item(void* opaque, size_t i) {
@@ -344,3 +206,4 @@ KernelOp kGatherOp = kernel_op(
 std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kGatherOp}; }
 
 }  // namespace engine_kernels
+

@@ -1,5 +1,5 @@
 """plugins.quant_matmul: the engine's QuantMatMul op against its float64 reference, against MatMulNBits (the op it
-replaces) and in its plain loops (the CPUs without AVX-512 VNNI) as well as its vector code."""
+replaces) and in each of its code paths: AVX-512 VNNI, AVX2 and the plain loops of CPUs with neither."""
 import numpy as np
 import pytest
 
@@ -87,16 +87,18 @@ def test_pack_round_trips(weight):
         np.testing.assert_allclose(m + 8 * d, q.offsets, rtol=2**-22, atol=0)
 
 
-def test_plain_loops_match_the_vector_code(tmp_path, monkeypatch):
-    """The kernel library compiled without AVX-512 VNNI (as on CPUs without it) computes the same."""
-    q, x = WEIGHTS["q4_1"](40, 256), np.random.default_rng(11).standard_normal((6, 256)).astype(np.float32)
-    q8 = WEIGHTS["int8_g64"](40, 256)
-    vector = quant_matmul_op(x, q), quant_matmul_op(x, q8)
+@pytest.mark.parametrize("without", ["-mno-avx512vnni", "-mno-avx2"])   # the AVX2 tiles; the plain loops
+def test_narrower_cpus_compute_the_same(tmp_path, monkeypatch, without):
+    """The kernel library compiled for a CPU without AVX-512 VNNI, or without AVX2 too, computes the same as the
+    vector code of this one: every weight kind, a row group of 4 and a short one, a partial last tile."""
+    x = np.random.default_rng(11).standard_normal((6, 256)).astype(np.float32)
+    weights = [WEIGHTS[name](40, 256) for name in sorted(WEIGHTS)]
+    vector = [quant_matmul_op(x, q) for q in weights]
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512vnni"])
-    plain = quant_matmul_op(x, q), quant_matmul_op(x, q8)
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, without])
+    narrower = [quant_matmul_op(x, q) for q in weights]
     assert native.library().is_relative_to(tmp_path)
-    for a, b in zip(plain, vector):
+    for a, b in zip(narrower, vector):
         assert_close(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
 
 

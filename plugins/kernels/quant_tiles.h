@@ -1,0 +1,293 @@
+// The tiles of QuantMatMul (quant_matmul.cc, whose header comment lays out the blocks): out rows t0 .. t1 - 1 of
+// one tile of 16 columns, in the vector code of the CPU the library is compiled for.
+//
+// AVX-512 VNNI: each block's dot products are vpdpbusd of the unsigned weights against broadcast groups of 4
+// activations, a tile's columns in the 16 lanes.
+// AVX2: the same registers read as two halves of 8 columns, one half after the other (the second reads the tile
+// from L1). 4-bit: vpmaddubsw of the unsigned weights (0..15) against the activations (-127..127) cannot saturate
+// (2 * 15 * 127), so a sub-block's 8 products add up in 16 bits (8 * 3810 < 32768) before one vpmaddwd widens them.
+// 8-bit: vpmaddubsw of |q - 128| against the activations given the sign of q - 128 (|q - 128| <= 128: each pair
+// <= 2 * 128 * 127, no saturation), widened at once; that computes (q - 128) . qa, the zero point taken off.
+// Up to 4 rows share each unpacked weight register. Without either: plain loops with the same arithmetic.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ENGINE_KERNELS_VNNI 1
+#endif
+
+namespace engine_kernels {
+namespace quant {
+
+constexpr int64_t kLanes = 16;     // columns per tile
+constexpr int64_t kSub = 32;       // K values per sub-block
+constexpr int64_t kHeader = 64;    // bytes of a block's scales
+constexpr int64_t kRowChunk = 64;  // rows per work item
+constexpr int kRows = 4;           // rows sharing each unpacked weight register
+
+struct Activations {
+  std::vector<int8_t> q;     // [T, K]
+  std::vector<float> d;      // [T, K / group]: da
+  std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
+};
+
+struct QuantJob {
+  const float* x;
+  const uint8_t* w;
+  float* out;
+  Activations* a;
+  int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
+  bool offsets;
+};
+
+inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
+
+// q of column c (0..15) at k = kk (0..31) of one sub-block's bytes, as quant_matmul.cc's header comment lays them out.
+inline int32_t weight_at(const uint8_t* p, int64_t bits, int64_t c, int64_t kk) {
+  if (bits == 8) return p[64 * (kk / 4) + 4 * c + kk % 4];
+  const uint8_t v = p[64 * ((kk % 16) / 4) + 4 * c + kk % 4];
+  return kk < 16 ? v & 0x0F : v >> 4;
+}
+
+inline float half_to_float(const uint8_t* p) {
+  const uint32_t h = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
+  const float magnitude = (h & 0x7C00) ? std::ldexp(static_cast<float>((h & 0x3FF) | 0x400), ((h >> 10) & 0x1F) - 25)
+                                       : std::ldexp(static_cast<float>(h & 0x3FF), -24);
+  return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+#ifdef ENGINE_KERNELS_VNNI
+// The 8 registers of one sub-block: register i holds the 4 values k = 4 i .. 4 i + 3 of each column.
+template <int Bits>
+inline void load_sub(const uint8_t* p, __m512i w[8]) {
+  if constexpr (Bits == 8) {
+    ENGINE_UNROLL
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(p + 64 * i);
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    ENGINE_UNROLL
+    for (int l = 0; l < 4; ++l) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * l);
+      w[l] = _mm512_and_si512(v, low);
+      w[l + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
+}
+
+// d (and m) of a block's 16 columns, from its header.
+template <bool Offsets>
+struct BlockScales {
+  __m512 d, m;
+  explicit BlockScales(const uint8_t* header) {
+    if constexpr (Offsets) {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+    } else {
+      d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+      m = _mm512_setzero_ps();
+    }
+  }
+};
+
+// acc plus one row's block: dots = q . qa_b, da = da_b, sum = sum(qa_b) (the header comment's formula).
+template <int Bits, bool Offsets>
+inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s, float da, int32_t sum) {
+  if constexpr (Offsets) {
+    acc = _mm512_fmadd_ps(s.m, _mm512_set1_ps(da * static_cast<float>(sum)), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(s.d, _mm512_set1_ps(da)), acc);
+  } else {
+    const __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots, _mm512_set1_epi32((1 << (Bits - 1)) * sum)));
+    return _mm512_fmadd_ps(centred, _mm512_mul_ps(s.d, _mm512_set1_ps(da)), acc);
+  }
+}
+
+// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16).
+template <int Bits, bool Offsets, int R>
+void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
+  const int64_t subs = j.group / kSub;
+  const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
+  const int8_t* qa = j.a->q.data() + t0 * j.k;
+  const float* da = j.a->d.data() + t0 * j.groups;
+  const int32_t* sum = j.a->sum.data() + t0 * j.groups;
+  __m512 acc[R];
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < j.groups; ++b) {
+    const uint8_t* header = p;
+    p += kHeader;
+    __m512i dot[R][2];  // two chains a row: vpdpbusd's latency, not its throughput, would bound one
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int64_t s = 0; s < subs; ++s, p += sub_bytes(Bits)) {
+      __m512i w[8];
+      load_sub<Bits>(p, w);
+      ENGINE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + b * j.group + s * kSub);
+        ENGINE_UNROLL
+        for (int i = 0; i < 8; ++i) dot[r][i & 1] = _mm512_dpbusd_epi32(dot[r][i & 1], w[i], _mm512_set1_epi32(a[i]));
+      }
+    }
+    const BlockScales<Offsets> scales(header);
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r)
+      acc[r] = add_block<Bits, Offsets>(acc[r], _mm512_add_epi32(dot[r][0], dot[r][1]), scales, da[r * j.groups + b],
+                                        sum[r * j.groups + b]);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(j.out + (t0 + r) * j.n + tile * kLanes, keep, acc[r]);
+}
+
+#endif
+
+#if defined(ENGINE_KERNELS_AVX2) && !defined(ENGINE_KERNELS_VNNI)
+// Sub-block products of R rows against half `half` (8 columns) of one sub-block at p, added to dot[R] (int32).
+template <int Bits, int R>
+inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256i dot[R]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Bits == 4) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i lows[R], highs[R];  // two chains of 16-bit sums a row: half the latency of one
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) lows[r] = highs[r] = _mm256_setzero_si256();
+    ENGINE_UNROLL
+    for (int l = 0; l < 4; ++l) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * l + 32 * half));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      ENGINE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        lows[r] = _mm256_add_epi16(lows[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][l])));
+        highs[r] = _mm256_add_epi16(highs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][l + 4])));
+      }
+    }
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r)
+      dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(lows[r], highs[r]), ones));
+  } else {
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    ENGINE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const __m256i w = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32 * half)), bias);   // q - 128
+      const __m256i magnitude = _mm256_abs_epi8(w);
+      ENGINE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(a[r][i]), w);
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
+      }
+    }
+  }
+}
+
+// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16), 8 columns at a time.
+template <int Bits, bool Offsets, int R>
+void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
+  const int64_t subs = j.group / kSub;
+  const float* da = j.a->d.data() + t0 * j.groups;
+  const int32_t* sum = j.a->sum.data() + t0 * j.groups;
+  for (int half = 0; half < 2 && 8 * half < cols; ++half) {
+    const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
+    __m256 acc[R];
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j.groups; ++b) {
+      const uint8_t* header = p;
+      p += kHeader;
+      __m256i dot[R];
+      ENGINE_UNROLL
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int64_t s = 0; s < subs; ++s, p += sub_bytes(Bits)) {
+        const int32_t* a[R];
+        ENGINE_UNROLL
+        for (int r = 0; r < R; ++r) a[r] = reinterpret_cast<const int32_t*>(j.a->q.data() + (t0 + r) * j.k +
+                                                                             b * j.group + s * kSub);
+        sub_dots<Bits, R>(p, half, a, dot);
+      }
+      // dot holds q . qa for 4 bits, (q - 128) . qa for 8 bits
+      if constexpr (Offsets) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16 * half)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 32 + 16 * half)));
+        ENGINE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const float scale = da[r * j.groups + b];
+          const int32_t total = sum[r * j.groups + b];
+          const __m256i unsigned_dot = Bits == 8 ? _mm256_add_epi32(dot[r], _mm256_set1_epi32(128 * total)) : dot[r];
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale * static_cast<float>(total)), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unsigned_dot), _mm256_mul_ps(d, _mm256_set1_ps(scale)), acc[r]);
+        }
+      } else {
+        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(header) + 8 * half);
+        ENGINE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m256i zero = _mm256_set1_epi32(Bits == 4 ? 8 * sum[r * j.groups + b] : 0);
+          const __m256 dots = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[r], zero));
+          acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(da[r * j.groups + b])), acc[r]);
+        }
+      }
+    }
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols - 8 * half)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) _mm256_maskstore_ps(j.out + (t0 + r) * j.n + tile * kLanes + 8 * half, keep, acc[r]);
+  }
+}
+#endif
+
+inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
+  const int64_t subs = j.group / kSub;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t* p = j.w + tl * j.groups * j.block_bytes;
+      float acc = 0;
+      for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes) {
+        int32_t dot = 0;
+        for (int64_t s = 0; s < subs; ++s)
+          for (int64_t kk = 0; kk < kSub; ++kk)
+            dot += weight_at(p + kHeader + s * sub_bytes(j.bits), j.bits, c, kk) *
+                   j.a->q[static_cast<size_t>(t * j.k + b * j.group + s * kSub + kk)];
+        const float scale = j.a->d[static_cast<size_t>(t * j.groups + b)];
+        const int32_t sum = j.a->sum[static_cast<size_t>(t * j.groups + b)];
+        if (j.offsets) {
+          acc = std::fma(half_to_float(p + 32 + 2 * c), scale * static_cast<float>(sum), acc);
+          acc = std::fma(static_cast<float>(dot), half_to_float(p + 2 * c) * scale, acc);
+        } else {
+          float d;
+          std::memcpy(&d, p + 4 * c, sizeof d);
+          acc = std::fma(static_cast<float>(dot - (1 << (j.bits - 1)) * sum), d * scale, acc);
+        }
+      }
+      j.out[t * j.n + tl * kLanes + c] = acc;
+    }
+}
+
+#if defined(ENGINE_KERNELS_VNNI) || defined(ENGINE_KERNELS_AVX2)
+template <int Bits, bool Offsets>
+void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols) {
+  int64_t t = t0;
+  for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows>(j, tile, t, cols);
+  switch (t1 - t) {
+    case 3: tile_rows<Bits, Offsets, 3>(j, tile, t, cols); break;
+    case 2: tile_rows<Bits, Offsets, 2>(j, tile, t, cols); break;
+    case 1: tile_rows<Bits, Offsets, 1>(j, tile, t, cols); break;
+    default: break;
+  }
+}
+
+inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
+  if (j.bits == 4) j.offsets ? tile<4, true>(j, tl, t0, t1, cols) : tile<4, false>(j, tl, t0, t1, cols);
+  else j.offsets ? tile<8, true>(j, tl, t0, t1, cols) : tile<8, false>(j, tl, t0, t1, cols);
+}
+#else
+inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
+  plain_tile(j, tl, t0, t1, cols);
+}
+#endif
+
+}  // namespace quant
+}  // namespace engine_kernels
