@@ -16,15 +16,15 @@
 //
 // QuantGather (below) reads rows of the same blocks: a tied embedding and a quantized lm_head share one table.
 //
-// The tiles' vector code (AVX-512 VNNI, AVX2) is in quant_tiles.h. Items (a chunk of rows x a chunk of tiles) run
-// on ORT's intra-op threads.
+// The tiles' vector code (AVX-512 VNNI, AVX2) is in quant_tiles.h; rows 16 at a time on AMX in quant_amx.h.
+// Items (a chunk of rows x a chunk of tiles) run on ORT's intra-op threads.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "ort_abi.h"
-#include "quant_tiles.h"
+#include "quant_amx.h"
 
 namespace engine_kernels {
 namespace {
@@ -91,12 +91,14 @@ void quantize_row(void* opaque, size_t t) {
   }
 }
 
-// Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk).
+// Item i: rows [row_chunk * (i / tile_items), +row_chunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk).
 void matmul_item(void* opaque, size_t i) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
-  const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * kRowChunk, t1 = std::min(j.tokens, t0 + kRowChunk);
+  const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * j.row_chunk, t1 = std::min(j.tokens, t0 + j.row_chunk);
   const int64_t first = static_cast<int64_t>(i) % j.tile_items * j.tile_chunk;
-  for (int64_t tl = first; tl < std::min(j.tiles, first + j.tile_chunk); ++tl) {
+  const int64_t last = std::min(j.tiles, first + j.tile_chunk);
+  if (amx_tiles(j, t0, t1, first, last)) return;
+  for (int64_t tl = first; tl < last; ++tl) {
     tile(j, tl, t0, t1, std::min(kLanes, j.n - tl * kLanes));
   }
 }
@@ -117,14 +119,20 @@ void compute(void* opaque, OrtKernelContext* context) {
   a.q.resize(static_cast<size_t>(tokens * k));
   a.d.resize(static_cast<size_t>(tokens * k / kernel.group));
   a.sum.resize(a.d.size());
-  // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
-  const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
+  // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles, or on AMX
+  // chunks of 256 rows a tile at a time.
+  const bool amx = amx_rows(tokens);
+  const int64_t tile_chunk = amx ? 1 : tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data), out, &a, tokens, k,
                kernel.n, kernel.bits, kernel.group, k / kernel.group, block_bytes, tiles, tile_chunk,
-               (tiles + tile_chunk - 1) / tile_chunk, kernel.offsets};
+               (tiles + tile_chunk - 1) / tile_chunk, amx ? kAmxRowChunk : kRowChunk, kernel.offsets};
   if (tokens == 1) quantize_row(&job, 0);
   else parallel_for(kernel.api, context, static_cast<size_t>(tokens), quantize_row, &job);
-  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
+  if (amx) {
+    size_packed_rows(job);
+    parallel_for(kernel.api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
+  }
+  const int64_t row_chunks = (tokens + job.row_chunk - 1) / job.row_chunk;
   parallel_for(kernel.api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
 }
 
@@ -207,3 +215,7 @@ std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kGatherOp}; }
 
 }  // namespace engine_kernels
 
+// Whether QuantMatMul runs rows 16 at a time on AMX in this process (the tests ask, through ctypes).
+extern "C" __attribute__((visibility("default"))) int EngineQuantMatMulAmx() {
+  return engine_kernels::quant::amx_ready() ? 1 : 0;
+}

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -27,13 +28,18 @@ namespace quant {
 constexpr int64_t kLanes = 16;     // columns per tile
 constexpr int64_t kSub = 32;       // K values per sub-block
 constexpr int64_t kHeader = 64;    // bytes of a block's scales
-constexpr int64_t kRowChunk = 64;  // rows per work item
+constexpr int64_t kRowChunk = 64;  // rows per work item (kAmxRowChunk on AMX)
 constexpr int kRows = 4;           // rows sharing each unpacked weight register
 
 struct Activations {
   std::vector<int8_t> q;     // [T, K]
   std::vector<float> d;      // [T, K / group]: da
   std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
+  // The same rows in groups of 16 as AMX reads them (quant_amx.h): [T / 16, K / kc, 16, kc] A tiles, and per
+  // group, block and row the scale da and the shift (shift_of below)
+  std::vector<int8_t> tiles;
+  std::vector<float> da16, dasum16;  // [T / 16, K / group, 16]; dasum16 with offsets
+  std::vector<int32_t> zero16;       // [T / 16, K / group, 16]; without offsets
 };
 
 struct QuantJob {
@@ -41,7 +47,7 @@ struct QuantJob {
   const uint8_t* w;
   float* out;
   Activations* a;
-  int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
+  int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items, row_chunk;
   bool offsets;
 };
 
@@ -94,14 +100,25 @@ struct BlockScales {
   }
 };
 
-// acc plus one row's block: dots = q . qa_b, da = da_b, sum = sum(qa_b) (the header comment's formula).
+// What a row's block adds beside d * da * dots: m * da * sum(qa) with offsets, else -zero_point * sum(qa) inside the
+// integers; shift holds da * sum(qa) or zero_point * sum(qa).
+template <bool Offsets>
+using Shift = std::conditional_t<Offsets, float, int32_t>;
+
 template <int Bits, bool Offsets>
-inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s, float da, int32_t sum) {
+inline Shift<Offsets> shift_of(float da, int32_t sum) {
+  if constexpr (Offsets) return da * static_cast<float>(sum);
+  else return (1 << (Bits - 1)) * sum;
+}
+
+// acc plus one row's block: dots = q . qa_b, da = da_b (the header comment's formula).
+template <bool Offsets>
+inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s, float da, Shift<Offsets> shift) {
   if constexpr (Offsets) {
-    acc = _mm512_fmadd_ps(s.m, _mm512_set1_ps(da * static_cast<float>(sum)), acc);
+    acc = _mm512_fmadd_ps(s.m, _mm512_set1_ps(shift), acc);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(s.d, _mm512_set1_ps(da)), acc);
   } else {
-    const __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots, _mm512_set1_epi32((1 << (Bits - 1)) * sum)));
+    const __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots, _mm512_set1_epi32(shift)));
     return _mm512_fmadd_ps(centred, _mm512_mul_ps(s.d, _mm512_set1_ps(da)), acc);
   }
 }
@@ -135,9 +152,11 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
     }
     const BlockScales<Offsets> scales(header);
     ENGINE_UNROLL
-    for (int r = 0; r < R; ++r)
-      acc[r] = add_block<Bits, Offsets>(acc[r], _mm512_add_epi32(dot[r][0], dot[r][1]), scales, da[r * j.groups + b],
-                                        sum[r * j.groups + b]);
+    for (int r = 0; r < R; ++r) {
+      const float scale = da[r * j.groups + b];
+      acc[r] = add_block<Offsets>(acc[r], _mm512_add_epi32(dot[r][0], dot[r][1]), scales, scale,
+                                  shift_of<Bits, Offsets>(scale, sum[r * j.groups + b]));
+    }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
   ENGINE_UNROLL

@@ -1,5 +1,7 @@
 """plugins.quant_matmul: the engine's QuantMatMul op against its float64 reference, against MatMulNBits (the op it
-replaces) and in each of its code paths: AVX-512 VNNI, AVX2 and the plain loops of CPUs with neither."""
+replaces) and in each of its code paths: AMX, AVX-512 VNNI, AVX2 and the plain loops of CPUs with none of them."""
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -46,7 +48,8 @@ WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40: the last tile of 16 co
 
 
 @pytest.mark.parametrize("weight", sorted(WEIGHTS))
-@pytest.mark.parametrize("tokens", [1, 3, 6, 70])   # rows in groups of 4 (a short last group), chunks of 64 rows
+# rows in groups of 4 (a short last group), chunks of 64 rows; on AMX groups of 16 and chunks of 256 rows
+@pytest.mark.parametrize("tokens", [1, 3, 6, 70, 300])
 def test_matches_float64_reference(weight, tokens):
     q = WEIGHTS[weight](40, 256)
     x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
@@ -100,6 +103,30 @@ def test_narrower_cpus_compute_the_same(tmp_path, monkeypatch, without):
     assert native.library().is_relative_to(tmp_path)
     for a, b in zip(narrower, vector):
         assert_close(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+
+
+AMX = {"amx_tile", "amx_int8"} <= set(native._cpu_flags().split())
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles (amx_tile, amx_int8)")
+def test_amx_is_used_on_this_cpu():
+    """The kernel was granted the tile registers, so the AMX tests below run the AMX code."""
+    assert ctypes.CDLL(str(native.library())).EngineQuantMatMulAmx() == 1
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles (amx_tile, amx_int8)")
+@pytest.mark.parametrize("tokens", [16, 38, 300])   # one group of 16; 2 groups + 6 rows for VNNI; over one item
+def test_amx_rows_equal_the_vnni_code(tmp_path, monkeypatch, tokens):
+    """Rows 16 at a time on AMX give exactly the VNNI code's floats (the same integer dots, scaled in the same
+    order), for every weight kind: groups of 32 and of 64 / 128 (two tile products a block), a partial last tile."""
+    x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
+    weights = [WEIGHTS[name](40, 256) for name in sorted(WEIGHTS)]
+    amx = [quant_matmul_op(x, q) for q in weights]
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-amx-tile", "-mno-amx-int8"])
+    assert ctypes.CDLL(str(native.library())).EngineQuantMatMulAmx() == 0
+    for a, b in zip(amx, [quant_matmul_op(x, q) for q in weights]):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("weight", ["int4_g32", "int8_g64", "q4_1"])
