@@ -31,8 +31,7 @@
 namespace engine_kernels {
 namespace quant {
 
-constexpr int64_t kAmxRows = 16;       // rows of an A and a C tile
-constexpr int64_t kAmxRowChunk = 256;  // rows per work item: each 4-bit tile is unpacked once an item
+constexpr int64_t kAmxRows = 16;  // rows of an A and a C tile
 
 inline int64_t amx_kc(int64_t group) { return group % 64 == 0 ? 64 : 32; }
 
@@ -168,12 +167,15 @@ void amx_group(const QuantJob& j, int64_t tile, int64_t g, int64_t cols, const u
   for (int r = 0; r < kAmxRows; ++r) _mm512_mask_storeu_ps(out + r * j.n, keep, acc[r]);
 }
 
-// 4-bit sub-blocks of one tile -> B's layout (load_sub's two nibble registers each), block after block.
+// 4-bit sub-blocks of one tile -> B's layout (load_sub's two nibble registers each), block after block, into one
+// of two buffers: a tile is unpacked before the last one is computed, so its stores have drained when the tile
+// loads read them (a tile load does not take data from the store buffer).
 inline const uint8_t* unpacked_nibbles(const QuantJob& j, int64_t tile) {
-  thread_local std::vector<uint8_t> scratch;
-  scratch.resize(static_cast<size_t>(j.k * kLanes));
+  thread_local std::vector<uint8_t> scratch[2];
+  std::vector<uint8_t>& buffer = scratch[tile % 2];
+  buffer.resize(static_cast<size_t>(j.k * kLanes));
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
-  uint8_t* out = scratch.data();
+  uint8_t* out = buffer.data();
   for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
     for (int64_t s = 0; s < j.group / kSub; ++s, out += kSub * kLanes) {
       __m512i w[8];
@@ -181,7 +183,7 @@ inline const uint8_t* unpacked_nibbles(const QuantJob& j, int64_t tile) {
       ENGINE_UNROLL
       for (int i = 0; i < 8; ++i) _mm512_storeu_si512(out + 64 * i, w[i]);
     }
-  return scratch.data();
+  return buffer.data();
 }
 
 template <int Bits, bool Offsets>
@@ -189,9 +191,11 @@ void amx_item(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int64_t 
   const int64_t full = t0 + (t1 - t0) / kAmxRows * kAmxRows;
   const TileConfig config(amx_kc(j.group));
   _tile_loadconfig(&config);
+  const uint8_t* next = Bits == 4 ? unpacked_nibbles(j, first) : nullptr;
   for (int64_t tl = first; tl < last; ++tl) {
     const int64_t cols = std::min(kLanes, j.n - tl * kLanes);
-    const uint8_t* body = Bits == 4 ? unpacked_nibbles(j, tl) : j.w + tl * j.groups * j.block_bytes + kHeader;
+    const uint8_t* body = Bits == 4 ? next : j.w + tl * j.groups * j.block_bytes + kHeader;
+    if (Bits == 4 && tl + 1 < last) next = unpacked_nibbles(j, tl + 1);
     const int64_t stride = Bits == 4 ? j.group * kLanes : j.block_bytes;
     for (int64_t t = t0; t < full; t += kAmxRows) amx_group<Offsets>(j, tl, t / kAmxRows, cols, body, stride);
     if (full < t1) tile<Bits, Offsets>(j, tl, full, t1, cols);

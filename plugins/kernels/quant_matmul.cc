@@ -91,10 +91,10 @@ void quantize_row(void* opaque, size_t t) {
   }
 }
 
-// Item i: rows [row_chunk * (i / tile_items), +row_chunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk).
+// Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk).
 void matmul_item(void* opaque, size_t i) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
-  const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * j.row_chunk, t1 = std::min(j.tokens, t0 + j.row_chunk);
+  const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * kRowChunk, t1 = std::min(j.tokens, t0 + kRowChunk);
   const int64_t first = static_cast<int64_t>(i) % j.tile_items * j.tile_chunk;
   const int64_t last = std::min(j.tiles, first + j.tile_chunk);
   if (amx_tiles(j, t0, t1, first, last)) return;
@@ -119,20 +119,18 @@ void compute(void* opaque, OrtKernelContext* context) {
   a.q.resize(static_cast<size_t>(tokens * k));
   a.d.resize(static_cast<size_t>(tokens * k / kernel.group));
   a.sum.resize(a.d.size());
-  // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles, or on AMX
-  // chunks of 256 rows a tile at a time.
-  const bool amx = amx_rows(tokens);
-  const int64_t tile_chunk = amx ? 1 : tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
+  // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
+  const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data), out, &a, tokens, k,
                kernel.n, kernel.bits, kernel.group, k / kernel.group, block_bytes, tiles, tile_chunk,
-               (tiles + tile_chunk - 1) / tile_chunk, amx ? kAmxRowChunk : kRowChunk, kernel.offsets};
+               (tiles + tile_chunk - 1) / tile_chunk, kernel.offsets};
   if (tokens == 1) quantize_row(&job, 0);
   else parallel_for(kernel.api, context, static_cast<size_t>(tokens), quantize_row, &job);
-  if (amx) {
+  if (amx_rows(tokens)) {
     size_packed_rows(job);
     parallel_for(kernel.api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
   }
-  const int64_t row_chunks = (tokens + job.row_chunk - 1) / job.row_chunk;
+  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
   parallel_for(kernel.api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
 }
 

@@ -28,7 +28,7 @@ namespace quant {
 constexpr int64_t kLanes = 16;     // columns per tile
 constexpr int64_t kSub = 32;       // K values per sub-block
 constexpr int64_t kHeader = 64;    // bytes of a block's scales
-constexpr int64_t kRowChunk = 64;  // rows per work item (kAmxRowChunk on AMX)
+constexpr int64_t kRowChunk = 64;  // rows per work item (their A tiles stay in L1 on AMX)
 constexpr int kRows = 4;           // rows sharing each unpacked weight register
 
 struct Activations {
@@ -47,7 +47,7 @@ struct QuantJob {
   const uint8_t* w;
   float* out;
   Activations* a;
-  int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items, row_chunk;
+  int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
   bool offsets;
 };
 

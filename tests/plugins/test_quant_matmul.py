@@ -48,7 +48,7 @@ WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40: the last tile of 16 co
 
 
 @pytest.mark.parametrize("weight", sorted(WEIGHTS))
-# rows in groups of 4 (a short last group), chunks of 64 rows; on AMX groups of 16 and chunks of 256 rows
+# rows in groups of 4 (a short last group), chunks of 64 rows; on AMX groups of 16 (the rest in groups of 4)
 @pytest.mark.parametrize("tokens", [1, 3, 6, 70, 300])
 def test_matches_float64_reference(weight, tokens):
     q = WEIGHTS[weight](40, 256)
