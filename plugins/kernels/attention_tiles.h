@@ -4,10 +4,11 @@
 // attend_part (attention_decode.h) takes one token at a time: each item rescans its mask row, and the keys and
 // values are reloaded for every token. A tile of m tokens makes
 // R = m * group query rows that share their keys: the scores S [keys, R] come from one product with the rows held
-// transposed (qt [hd, R]), so each key element is broadcast once into independent 8-row FMA chains and no score
-// needs a horizontal sum; the softmax runs across rows in registers; the weighted sum reads each value row once for
-// several query rows. The tile sees the union of its tokens' keys; a key some of its tokens may not see (a causal
-// tile's last m - 1 keys, a sliding window's first) is masked per row to -inf and then to a weight of exactly 0.
+// transposed (qt [hd, R]), so each key element is broadcast once into independent FMA chains of 8 rows (16 with
+// AVX-512) and no score needs a horizontal sum; the softmax runs across rows in registers; the weighted sum reads
+// each value row once for several query rows. The tile sees the union of its tokens' keys; a key some of its
+// tokens may not see (a causal tile's last m - 1 keys, a sliding window's first) is masked per row to -inf and then
+// to a weight of exactly 0.
 // Union keys are the row's own context (its tokens' visible keys), so no stale pool row is ever read. AVX2 + FMA
 // and a head size that is a multiple of 8 only; otherwise every token goes through attend_part.
 #pragma once
@@ -44,32 +45,32 @@ struct TileScratch {
 
 namespace simd {
 
-// s[j * rpad + 8w + lane] = k_j . qt[:, 8w + lane] for KB keys and W * 8 rows.
-template <int KB, int W>
+// s[j * rpad + N w + lane] = k_j . qt[:, N w + lane] for KB keys and W * N rows (N = V::N lanes).
+template <class V, int KB, int W>
 inline void score_tile(const float* qt, int64_t rpad, const float* const* k, int64_t hd, float* s) {
-  __m256 acc[KB][W];
+  typename V::T acc[KB][W];
   ENGINE_UNROLL
   for (int j = 0; j < KB; ++j)
     ENGINE_UNROLL
-    for (int w = 0; w < W; ++w) acc[j][w] = _mm256_setzero_ps();
+    for (int w = 0; w < W; ++w) acc[j][w] = V::zero();
   for (int64_t d = 0; d < hd; ++d) {
-    __m256 q[W];
+    typename V::T q[W];
     ENGINE_UNROLL
-    for (int w = 0; w < W; ++w) q[w] = _mm256_loadu_ps(qt + d * rpad + 8 * w);
+    for (int w = 0; w < W; ++w) q[w] = V::load(qt + d * rpad + V::N * w);
     ENGINE_UNROLL
     for (int j = 0; j < KB; ++j) {
-      const __m256 kd = _mm256_broadcast_ss(k[j] + d);
+      const typename V::T kd = V::set1(k[j][d]);
       ENGINE_UNROLL
-      for (int w = 0; w < W; ++w) acc[j][w] = _mm256_fmadd_ps(kd, q[w], acc[j][w]);
+      for (int w = 0; w < W; ++w) acc[j][w] = V::fmadd(kd, q[w], acc[j][w]);
     }
   }
   ENGINE_UNROLL
   for (int j = 0; j < KB; ++j)
     ENGINE_UNROLL
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(s + j * rpad + 8 * w, acc[j][w]);
+    for (int w = 0; w < W; ++w) V::store(s + j * rpad + V::N * w, acc[j][w]);
 }
 
-template <int W>
+template <class V, int W>
 inline void score_rows(const float* qt, int64_t rpad, const float* base, const int64_t* keys, int64_t n, int64_t hd,
                        float* s) {
   constexpr int KB = 6;
@@ -78,11 +79,11 @@ inline void score_rows(const float* qt, int64_t rpad, const float* base, const i
     const float* k[KB];
     ENGINE_UNROLL
     for (int j = 0; j < KB; ++j) k[j] = base + keys[i + j];
-    score_tile<KB, W>(qt, rpad, k, hd, s + i * rpad);
+    score_tile<V, KB, W>(qt, rpad, k, hd, s + i * rpad);
   }
   for (; i < n; ++i) {
     const float* k[1] = {base + keys[i]};
-    score_tile<1, W>(qt, rpad, k, hd, s + i * rpad);
+    score_tile<V, 1, W>(qt, rpad, k, hd, s + i * rpad);
   }
 }
 
@@ -111,14 +112,15 @@ inline void softmax_rows(float* s, int64_t n, int64_t rpad, float* top, float* s
 
 
 // Tile `t` for KV head g: the output rows of its query heads written directly into out [T, heads * hd]. q
-// [T, heads * hd] is scaled by `scale` here; pools kc, vc.
-template <typename P>
-void attend_tile(const Shapes& s, float scale, float softcap, const float* q, const P* kc, const P* vc,
+// [T, heads * hd] is scaled by `scale` here; pools kc, vc. V: the scores' rows in V::N lanes, and the values'
+// channels when the head size is a multiple of V::N (else 8 lanes).
+template <class V, typename P>
+void attend_tile_v(const Shapes& s, float scale, float softcap, const float* q, const P* kc, const P* vc,
                  const int64_t* kv_slots, const bool* mask, const Tile& t, int64_t g, float* out, TileScratch& x) {
   const int64_t b = t.b, m = t.m;
   const int64_t* js = t.js;
   const int64_t group = s.group(), hd = s.hd, kv_width = s.kv_heads * hd, rows = m * group;
-  const int64_t rpad = (rows + 7) / 8 * 8;
+  const int64_t rpad = (rows + V::N - 1) / V::N * V::N;
   // The union of the tokens' keys, 32 positions at a time: any token sees it (OR), every token does (AND).
   x.keys.clear();
   x.partial.clear();
@@ -167,9 +169,9 @@ void attend_tile(const Shapes& s, float scale, float softcap, const float* q, co
     }
   x.s.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * rpad));
   float* sc = x.s.data();
-  for (int64_t r = 0; r < rpad; r += 16) {
-    if (rpad - r >= 16) simd::score_rows<2>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
-    else simd::score_rows<1>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+  for (int64_t r = 0; r < rpad; r += 2 * V::N) {
+    if (rpad - r >= 2 * V::N) simd::score_rows<V, 2>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+    else simd::score_rows<V, 1>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
   }
   if (softcap > 0)
     for (int64_t e = 0; e < n * rpad; ++e) sc[e] = softcap * std::tanh(sc[e] / softcap);
@@ -189,13 +191,24 @@ void attend_tile(const Shapes& s, float scale, float softcap, const float* q, co
       const int64_t row = r + u;
       o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
     }
-    simd::weighted_rows<simd::V8, NH, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    if (hd % V::N == 0) simd::weighted_rows<V, NH, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+    else simd::weighted_rows<simd::V8, NH, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
     for (int u = 0; u < NH; ++u) {
       const float total = x.sum[static_cast<size_t>(r + u)];
       const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros
       for (int64_t d = 0; d < hd; ++d) o[u][d] *= inv;
     }
   });
+}
+
+template <typename P>
+void attend_tile(const Shapes& s, float scale, float softcap, const float* q, const P* kc, const P* vc,
+                 const int64_t* kv_slots, const bool* mask, const Tile& t, int64_t g, float* out, TileScratch& x) {
+#ifdef __AVX512F__
+  attend_tile_v<simd::V16>(s, scale, softcap, q, kc, vc, kv_slots, mask, t, g, out, x);
+#else
+  attend_tile_v<simd::V8>(s, scale, softcap, q, kc, vc, kv_slots, mask, t, g, out, x);
+#endif
 }
 
 #endif
