@@ -176,13 +176,15 @@ inline const uint8_t* unpacked_nibbles(const QuantJob& j, int64_t tile) {
   buffer.resize(static_cast<size_t>(j.k * kLanes));
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
   uint8_t* out = buffer.data();
-  for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
+  for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes) {
+    prefetch_block(p, j.block_bytes);
     for (int64_t s = 0; s < j.group / kSub; ++s, out += kSub * kLanes) {
       __m512i w[8];
       load_sub<4>(p + kHeader + s * sub_bytes(4), w);
       ENGINE_UNROLL
       for (int i = 0; i < 8; ++i) _mm512_storeu_si512(out + 64 * i, w[i]);
     }
+  }
   return buffer.data();
 }
 
