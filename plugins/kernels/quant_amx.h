@@ -1,7 +1,7 @@
 // QuantMatMul's rows 16 at a time on AMX (Intel Sapphire Rapids and later): each block's dot products as tile
 // matrix products, scaled as quant_tiles.h's VNNI code scales them (add_block), so both give the same floats.
 //
-// One block of `group` K values, 16 rows x one tile of 16 columns, is one TDPBSUD (two for groups over 64):
+// One block of `group` K values, 16 rows x one tile of 16 columns, is group / kc TDPBSUDs:
 //
 //   A  int8  [16 rows, kc]       the rows' int8 activations, packed once a call by pack_rows: per group of 16 rows
 //                                [K / kc][16][kc], so each A tile is one contiguous run
