@@ -168,8 +168,8 @@ void amx_group(const QuantJob& j, int64_t tile, int64_t g, int64_t cols, const u
 }
 
 // 4-bit sub-blocks of one tile -> B's layout (load_sub's two nibble registers each), block after block, into one
-// of two buffers: a tile is unpacked before the last one is computed, so its stores have drained when the tile
-// loads read them (a tile load does not take data from the store buffer).
+// of two buffers: a tile is unpacked before the last one is computed, so its stores have long drained when the tile
+// loads read them.
 inline const uint8_t* unpacked_nibbles(const QuantJob& j, int64_t tile) {
   thread_local std::vector<uint8_t> scratch[2];
   std::vector<uint8_t>& buffer = scratch[tile % 2];
