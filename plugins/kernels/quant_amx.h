@@ -54,6 +54,13 @@ inline int8_t* packed_tiles(Activations& a) {
   return a.tiles.data() + (64 - misaligned) % 64;
 }
 
+// The per-row shifts (shift_of) of the packed groups: da * sum(qa) with offsets, zero_point * sum(qa) without.
+template <bool Offsets>
+std::vector<Shift<Offsets>>& shift_table(Activations& a) {
+  if constexpr (Offsets) return a.dasum16;
+  else return a.zero16;
+}
+
 // Group g of 16 rows: its A tiles and per-block scalars (the Activations' AMX fields, sized by the caller).
 template <int Bits, bool Offsets>
 void pack_group(const QuantJob& j, int64_t g) {
@@ -71,8 +78,7 @@ void pack_group(const QuantJob& j, int64_t g) {
       const size_t at = static_cast<size_t>((g * j.groups + b) * kAmxRows + r);
       const float da = a.d[static_cast<size_t>(t * j.groups + b)];
       a.da16[at] = da;
-      if constexpr (Offsets) a.dasum16[at] = shift_of<Bits, Offsets>(da, a.sum[static_cast<size_t>(t * j.groups + b)]);
-      else a.zero16[at] = shift_of<Bits, Offsets>(da, a.sum[static_cast<size_t>(t * j.groups + b)]);
+      shift_table<Offsets>(a)[at] = shift_of<Bits, Offsets>(da, a.sum[static_cast<size_t>(t * j.groups + b)]);
     }
   }
 }
@@ -80,16 +86,14 @@ void pack_group(const QuantJob& j, int64_t g) {
 inline void pack_rows(void* opaque, size_t g) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
   const auto group = static_cast<int64_t>(g);
-  if (j.bits == 4) j.offsets ? pack_group<4, true>(j, group) : pack_group<4, false>(j, group);
-  else j.offsets ? pack_group<8, true>(j, group) : pack_group<8, false>(j, group);
+  by_kind(j, [&](auto bits, auto offsets) { pack_group<bits, offsets>(j, group); });
 }
 
 inline void size_packed_rows(const QuantJob& j) {
   const auto groups16 = static_cast<size_t>(j.tokens / kAmxRows);
   j.a->tiles.resize(groups16 * static_cast<size_t>(kAmxRows * j.k) + 64);
   j.a->da16.resize(groups16 * static_cast<size_t>(j.groups * kAmxRows));
-  if (j.offsets) j.a->dasum16.resize(j.a->da16.size());
-  else j.a->zero16.resize(j.a->da16.size());
+  by_kind(j, [&](auto, auto offsets) { shift_table<offsets>(*j.a).resize(j.a->da16.size()); });
 }
 
 // Tiles 0-1: C, 2-3: A, 4-5: B (a set for each of the two blocks in flight).
@@ -117,12 +121,6 @@ struct alignas(64) TileConfig {
     }                                                  \
   } while (0)
 
-template <bool Offsets>
-const Shift<Offsets>* shifts(const Activations& a) {
-  if constexpr (Offsets) return a.dasum16.data();
-  else return a.zero16.data();
-}
-
 // acc[r] += row r's share of one block, from the stored C tile `dots`.
 template <bool Offsets>
 __attribute__((always_inline)) inline void scale_block(__m512 (&acc)[kAmxRows], const int32_t* dots,
@@ -141,7 +139,7 @@ void amx_group(const QuantJob& j, int64_t tile, int64_t g, int64_t cols, const u
   const uint8_t* headers = j.w + tile * j.groups * j.block_bytes;
   const int8_t* a = packed_tiles(*j.a) + g * kAmxRows * j.k;
   const float* da = j.a->da16.data() + g * per_block;
-  const Shift<Offsets>* shift = shifts<Offsets>(*j.a) + g * per_block;
+  const Shift<Offsets>* shift = shift_table<Offsets>(*j.a).data() + g * per_block;
   alignas(64) int32_t dots[2][kAmxRows * kLanes];
   __m512 acc[kAmxRows];
   ENGINE_UNROLL
@@ -208,8 +206,7 @@ void amx_item(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int64_t 
 // Rows t0 .. t1 - 1 (t0 a multiple of 16) x tiles first .. last - 1 on the tile unit; false where AMX is not used.
 inline bool amx_tiles(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int64_t last) {
   if (!amx_rows(j.tokens) || t1 - t0 < kAmxRows) return false;
-  if (j.bits == 4) j.offsets ? amx_item<4, true>(j, t0, t1, first, last) : amx_item<4, false>(j, t0, t1, first, last);
-  else j.offsets ? amx_item<8, true>(j, t0, t1, first, last) : amx_item<8, false>(j, t0, t1, first, last);
+  by_kind(j, [&](auto bits, auto offsets) { amx_item<bits, offsets>(j, t0, t1, first, last); });
   return true;
 }
 #else

@@ -54,6 +54,15 @@ struct QuantJob {
 
 inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
 
+// f(bits, offsets) with both as compile-time constants (std::integral_constant) for the job's weight kind.
+template <class F>
+inline void by_kind(const QuantJob& j, F&& f) {
+  using Four = std::integral_constant<int, 4>;
+  using Eight = std::integral_constant<int, 8>;
+  if (j.bits == 4) j.offsets ? f(Four{}, std::true_type{}) : f(Four{}, std::false_type{});
+  else j.offsets ? f(Eight{}, std::true_type{}) : f(Eight{}, std::false_type{});
+}
+
 // The weight stream prefetched kPrefetchBlocks blocks (5-9 KB) ahead of its reads. On a Sapphire Rapids VM the
 // hardware prefetchers alone left one row's projections at ~1/3 of the memory bandwidth: an int4 + lm_head int4
 // decode step 6.4 -> 4.9-5.7 ms with it, int8 9.2 -> 8.7-9.1 (bench/NOTES.md entry 28); on a Zen 4 prefetching had
@@ -313,8 +322,7 @@ void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols)
 }
 
 inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
-  if (j.bits == 4) j.offsets ? tile<4, true>(j, tl, t0, t1, cols) : tile<4, false>(j, tl, t0, t1, cols);
-  else j.offsets ? tile<8, true>(j, tl, t0, t1, cols) : tile<8, false>(j, tl, t0, t1, cols);
+  by_kind(j, [&](auto bits, auto offsets) { tile<bits, offsets>(j, tl, t0, t1, cols); });
 }
 #else
 inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
