@@ -4,8 +4,10 @@ timed for each way the engine can run them, at several numbers of rows (tokens i
     .venv/bin/python bench/quant_matmul.py [--rows 1 16 32 128 512] [--threads 2] [--rounds 5] [--engine-dir DIR]
 
 Variants, interleaved round by round in one process (this VM's speed wanders between minutes):
-  q4_1 / int8 QuantMatMul          the kernel library as built for this CPU (AMX rows where the CPU has AMX)
-  q4_1 / int8 QuantMatMul no-AMX   the same sources compiled with -mno-amx-tile -mno-amx-int8 (the VNNI code)
+  q4_1 / int8 QuantMatMul           the kernel library as built for this CPU (on AMX: calls of >= 64 rows in
+                                    bfloat16 tiles, fewer rows in int8 tiles 16 at a time)
+  q4_1 / int8 QuantMatMul int8-AMX  the same sources compiled with -mno-amx-bf16 (int8 tiles at every row count)
+  q4_1 / int8 QuantMatMul no-AMX    compiled with -mno-amx-tile -mno-amx-int8 (the VNNI code)
   int4 / int8 MatMulNBits          ONNX Runtime's op at accuracy level 4 (what builds without the kernels use)
 Weights are random on each scheme's grid (Q4_1: GGUF's float16 d and m per block of 32, kept; int8: RTN groups of
 32). With --engine-dir, also a real engine's steps (a 512-token prefill, decode steps of 8 and 32 sequences at context
@@ -101,6 +103,8 @@ def session(model: onnx.ModelProto, threads: int, library: Path | None) -> ort.I
 
 
 NO_AMX = ["-mno-amx-tile", "-mno-amx-int8"]
+NO_BF16 = ["-mno-amx-bf16"]   # AMX's int8 tiles only: calls of many rows as int8 too (kernels/quant_bf16.h)
+BUILDS = {"": [], " int8-AMX": NO_BF16, " no-AMX": NO_AMX}   # variant suffix -> extra compiler flags
 
 
 @contextmanager
@@ -114,8 +118,8 @@ def flags(extra: list[str]):
         native.FLAGS = kept
 
 
-def library_without_amx() -> Path:
-    with flags(NO_AMX):
+def library_with(extra: list[str]) -> Path:
+    with flags(extra):
         return native.library()
 
 
@@ -134,13 +138,14 @@ def interleaved(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str,
 
 
 def engine_steps(engine_dir: Path, threads: int, rounds: int) -> dict[str, dict[str, float]]:
-    """A real engine's steps, its QuantMatMul library compiled with and without AMX."""
+    """A real engine's steps, its QuantMatMul library compiled each way (BUILDS)."""
     blocks = 40
     sessions = {}
-    for name, extra in [("AMX", []), ("no-AMX", NO_AMX)]:
+    for suffix, extra in BUILDS.items():
         with flags(extra):
-            sessions[name] = EngineSession(engine_dir, num_blocks=33 * blocks, threads=threads)
-    assert sessions["AMX"].tokens_per_block * blocks >= 512
+            sessions[suffix.strip() or "as built"] = EngineSession(engine_dir, num_blocks=33 * blocks,
+                                                                   threads=threads)
+    assert sessions["as built"].tokens_per_block * blocks >= 512
     rng = np.random.default_rng(2)
 
     def decodes(batch: int) -> list[SeqChunk]:
@@ -162,12 +167,12 @@ def main() -> None:
     ap.add_argument("--engine-dir", type=Path, help="also time this engine's steps with each library")
     args = ap.parse_args()
 
-    own, plain = native.library(), library_without_amx()
+    libraries = {suffix: library_with(extra) for suffix, extra in BUILDS.items()}
     variants = {}
     for label, weight in [("q4_1", q4_1), ("int8", rtn(8))]:
         model = projections(weight, "QuantMatMul")
-        variants[f"{label} QuantMatMul"] = session(model, args.threads, own)
-        variants[f"{label} QuantMatMul no-AMX"] = session(model, args.threads, plain)
+        for suffix, library in libraries.items():
+            variants[f"{label} QuantMatMul{suffix}"] = session(model, args.threads, library)
     for label, weight in [("int4", rtn(4)), ("int8", rtn(8))]:
         variants[f"{label} MatMulNBits"] = session(projections(weight, "MatMulNBits"), args.threads, None)
 
@@ -189,8 +194,9 @@ def main() -> None:
         out["engine"] = str(args.engine_dir)
         out["engine_steps_ms"] = steps = engine_steps(args.engine_dir, args.threads, args.rounds)
         print(f"\n{args.engine_dir}: one step, median ms of {args.rounds} interleaved rounds")
+        print(f"{'step':14s}" + "".join(f"{name:>12s}" for name in next(iter(steps.values()))))
         for step, row in steps.items():
-            print(f"{step:14s} AMX {row['AMX']:8.2f}   no-AMX {row['no-AMX']:8.2f}   {row['no-AMX'] / row['AMX']:.2f}x")
+            print(f"{step:14s}" + "".join(f"{v:12.2f}" for v in row.values()))
     (ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / "quant_matmul.json").write_text(json.dumps(out, indent=2) + "\n")
 

@@ -49,10 +49,7 @@ inline bool amx_ready() {
 inline bool amx_rows(int64_t tokens) { return tokens >= kAmxRows && amx_ready(); }
 
 // The A tiles start on a cache line (a row of a tile load must not straddle two).
-inline int8_t* packed_tiles(Activations& a) {
-  const auto misaligned = reinterpret_cast<uintptr_t>(a.tiles.data()) % 64;
-  return a.tiles.data() + (64 - misaligned) % 64;
-}
+inline int8_t* packed_tiles(Activations& a) { return aligned64(a.tiles); }
 
 // The per-row shifts (shift_of) of the packed groups: da * sum(qa) with offsets, zero_point * sum(qa) without.
 template <bool Offsets>

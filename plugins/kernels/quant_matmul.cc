@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "ort_abi.h"
-#include "quant_amx.h"
+#include "quant_bf16.h"
 
 namespace engine_kernels {
 namespace {
@@ -124,6 +124,12 @@ void compute(void* opaque, OrtKernelContext* context) {
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data), out, &a, tokens, k,
                kernel.n, kernel.bits, kernel.group, k / kernel.group, block_bytes, tiles, tile_chunk,
                (tiles + tile_chunk - 1) / tile_chunk, kernel.offsets};
+  if (bf16_rows(tokens)) {
+    size_bf16_rows(job);
+    parallel_for(kernel.api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);
+    parallel_for(kernel.api, context, static_cast<size_t>((tiles + 1) / 2), bf16_items, &job);
+    return;
+  }
   if (tokens == 1) quantize_row(&job, 0);
   else parallel_for(kernel.api, context, static_cast<size_t>(tokens), quantize_row, &job);
   if (amx_rows(tokens)) {
@@ -216,4 +222,9 @@ std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kGatherOp}; }
 // Whether QuantMatMul runs rows 16 at a time on AMX in this process (the tests ask, through ctypes).
 extern "C" __attribute__((visibility("default"))) int EngineQuantMatMulAmx() {
   return engine_kernels::quant::amx_ready() ? 1 : 0;
+}
+// The fewest rows a QuantMatMul call takes through the bfloat16 tiles (quant_bf16.h); 0 where it never does.
+extern "C" __attribute__((visibility("default"))) int EngineQuantMatMulBf16Rows() {
+  return engine_kernels::quant::bf16_rows(engine_kernels::quant::kBf16Rows)
+             ? static_cast<int>(engine_kernels::quant::kBf16Rows) : 0;
 }

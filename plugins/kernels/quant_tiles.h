@@ -41,6 +41,7 @@ struct Activations {
   std::vector<int8_t> tiles;
   std::vector<float> da16, dasum16;  // [T / 16, K / group, 16]; dasum16 with offsets
   std::vector<int32_t> zero16;       // [T / 16, K / group, 16]; without offsets
+  std::vector<uint16_t> bf16;        // many rows' bfloat16 A tiles (quant_bf16.h): [ceil(T / 16), K / 32, 16, 32]
 };
 
 struct QuantJob {
@@ -51,6 +52,13 @@ struct QuantJob {
   int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
   bool offsets;
 };
+
+// The first element of v on a cache line (v holds 64 bytes to spare): tile loads and aligned stores want one.
+template <typename T>
+inline T* aligned64(std::vector<T>& v) {
+  const auto misaligned = reinterpret_cast<uintptr_t>(v.data()) % 64;
+  return v.data() + (64 - misaligned) % 64 / sizeof(T);
+}
 
 inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
 

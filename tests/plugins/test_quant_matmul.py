@@ -1,5 +1,6 @@
-"""plugins.quant_matmul: the engine's QuantMatMul op against its float64 reference, against MatMulNBits (the op it
-replaces) and in each of its code paths: AMX, AVX-512 VNNI, AVX2 and the plain loops of CPUs with none of them."""
+"""plugins.quant_matmul: the engine's QuantMatMul op against its float64 references, against MatMulNBits (the op it
+replaces) and in each of its code paths: AMX's bfloat16 tiles (calls of many rows), AMX's int8 tiles, AVX-512 VNNI,
+AVX2 and the plain loops of CPUs with none of them."""
 import ctypes
 
 import numpy as np
@@ -38,6 +39,17 @@ def quant_matmul_op(x: np.ndarray, q: QuantizedWeight, threads: int = 2) -> np.n
                                                  offsets=int(q.offsets is not None)), {"x": x}, threads=threads)
 
 
+AMX = {"amx_tile", "amx_int8"} <= set(native._cpu_flags().split())
+AMX_BF16 = AMX and {"amx_bf16", "avx512_bf16"} <= set(native._cpu_flags().split())
+BF16_ROWS = 64 if AMX_BF16 else None   # kernels/quant_bf16.h kBf16Rows: calls of as many rows take bfloat16 tiles
+
+
+def expected(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
+    """What the op computes for this many rows on this CPU."""
+    bf16 = BF16_ROWS is not None and x.shape[0] >= BF16_ROWS
+    return (quant_matmul.reference_bf16 if bf16 else quant_matmul.reference)(x, q)
+
+
 WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40: the last tile of 16 columns is partial
     "q4_1": lambda n, k: q4_1_weight(n, k, 1),
     "int4_g32": lambda n, k: rtn_weight(n, k, 4, 32, 2),
@@ -48,14 +60,15 @@ WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40: the last tile of 16 co
 
 
 @pytest.mark.parametrize("weight", sorted(WEIGHTS))
-# rows in groups of 4 (a short last group), chunks of 64 rows; on AMX groups of 16 (the rest in groups of 4)
-@pytest.mark.parametrize("tokens", [1, 3, 6, 70, 300])
+# rows in groups of 4 (a short last group), chunks of 64 rows; on AMX groups of 16 (the rest in groups of 4), and
+# from 64 rows bfloat16 tiles: pairs of row groups, a short last group
+@pytest.mark.parametrize("tokens", [1, 3, 6, 63, 70, 300])
 def test_matches_float64_reference(weight, tokens):
     q = WEIGHTS[weight](40, 256)
     x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
     x[0, :32] = 0   # a block of zeros: scale 0, nothing added
-    expected = quant_matmul.reference(x, q)
-    assert_close(quant_matmul_op(x, q), expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+    want = expected(x, q)
+    assert_close(quant_matmul_op(x, q), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -69,13 +82,16 @@ def test_matches_matmulnbits_at_accuracy_level_4(bits, tokens):
     assert_close(quant_matmul_op(x, q), nbits, rtol=1e-5, atol=1e-5 * float(np.abs(nbits).max()))
 
 
-def test_reference_is_close_to_the_exact_product():
-    """The reference itself: int8 activations per block cost well under 1% of the exact float product."""
-    q = q4_1_weight(64, 256, 9)
-    x = np.random.default_rng(10).standard_normal((5, 256)).astype(np.float32)
+@pytest.mark.parametrize("reference, bound", [(quant_matmul.reference, 2e-2), (quant_matmul.reference_bf16, 5e-3)])
+def test_references_are_close_to_the_exact_product(reference, bound):
+    """The references themselves, against the exact product of the quantized weight: int8 activations per block
+    cost about 1% of the largest output, bfloat16 activations and weights about a quarter of that."""
+    q = q4_1_weight(64, 576, 9)
+    x = np.random.default_rng(10).standard_normal((80, 576)).astype(np.float32)
+    x[:, ::37] *= 8   # a few outlier channels, as real activations have
     exact = x.astype(np.float64) @ dequantize(q).astype(np.float64).T
-    error = np.abs(quant_matmul.reference(x, q) - exact).max() / np.abs(exact).max()
-    assert 1e-5 < error < 1e-2
+    error = np.abs(reference(x, q) - exact).max() / np.abs(exact).max()
+    assert bound / 100 < error < bound
 
 
 @pytest.mark.parametrize("weight", ["q4_1", "int4_g32", "int8_g64"])
@@ -105,24 +121,38 @@ def test_narrower_cpus_compute_the_same(tmp_path, monkeypatch, without):
         assert_close(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
 
 
-AMX = {"amx_tile", "amx_int8"} <= set(native._cpu_flags().split())
-
-
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles (amx_tile, amx_int8)")
 def test_amx_is_used_on_this_cpu():
     """The kernel was granted the tile registers, so the AMX tests below run the AMX code."""
-    assert ctypes.CDLL(str(native.library())).EngineQuantMatMulAmx() == 1
+    library = ctypes.CDLL(str(native.library()))
+    assert library.EngineQuantMatMulAmx() == 1
+    assert library.EngineQuantMatMulBf16Rows() == (BF16_ROWS or 0)
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="this CPU has no AMX bfloat16 tiles (amx_bf16, avx512_bf16)")
+@pytest.mark.parametrize("tokens, k", [(64, 256), (97, 640), (300, 256)])
+def test_bf16_tiles_match_their_reference(tokens, k):
+    """Calls of >= 64 rows on AMX-BF16: every weight kind, a short last row group (97 rows), K in passes of 256 with
+    a short last one (640), a partial and an odd last tile (N = 40: a pair of tiles and one alone)."""
+    x = np.random.default_rng(tokens).standard_normal((tokens, k)).astype(np.float32)
+    for name in sorted(WEIGHTS):
+        q = WEIGHTS[name](40, k)
+        want = quant_matmul.reference_bf16(x, q)
+        assert_close(quant_matmul_op(x, q), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles (amx_tile, amx_int8)")
 @pytest.mark.parametrize("tokens", [16, 38, 300])   # one group of 16; 2 groups + 6 rows for VNNI; over one item
 def test_amx_rows_equal_the_vnni_code(tmp_path, monkeypatch, tokens):
-    """Rows 16 at a time on AMX give exactly the VNNI code's floats (the same integer dots, scaled in the same
-    order), for every weight kind: groups of 32 and of 64 / 128 (two tile products a block), a partial last tile."""
+    """Rows 16 at a time on AMX's int8 tiles (the library built without AMX-BF16, so at every row count) give
+    exactly the VNNI code's floats (the same integer dots, scaled in the same order), for every weight kind: groups
+    of 32 and of 64 / 128 (two tile products a block), a partial last tile."""
     x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
     weights = [WEIGHTS[name](40, 256) for name in sorted(WEIGHTS)]
-    amx = [quant_matmul_op(x, q) for q in weights]
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-amx-bf16"])
+    assert ctypes.CDLL(str(native.library())).EngineQuantMatMulBf16Rows() == 0
+    amx = [quant_matmul_op(x, q) for q in weights]
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-amx-tile", "-mno-amx-int8"])
     assert ctypes.CDLL(str(native.library())).EngineQuantMatMulAmx() == 0
     for a, b in zip(amx, [quant_matmul_op(x, q) for q in weights]):
