@@ -132,6 +132,23 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+#ifdef __AVX512F__
+// The same exp in 16 lanes: the same operations lane for lane, so the same floats.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 // out[j] = the sum of a_j's lanes, j < 4: two rounds of pairwise sums instead of a horizontal sum per vector.
 inline void sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* out) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -150,6 +167,10 @@ struct V8 {
   static T set1(float x) { return _mm256_set1_ps(x); }
   static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T zero_where(T value, T x, T ref) { return _mm256_andnot_ps(_mm256_cmp_ps(x, ref, _CMP_EQ_OQ), value); }
   static __m256 fold(T x) { return x; }
 };
 
@@ -170,6 +191,10 @@ struct V16 {
   static T set1(float x) { return _mm512_set1_ps(x); }
   static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T zero_where(T value, T x, T ref) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ref, _CMP_NEQ_UQ), value); }
   static __m256 fold(T x) {
     return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
   }

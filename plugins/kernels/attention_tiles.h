@@ -32,6 +32,8 @@ struct Tile {
 // prefill wastes little on keys its earlier tokens do not see.
 constexpr int64_t kTileRows = 32;
 
+constexpr int64_t kValueChunk = 64;  // keys of the weighted sums per pass over the tile's rows
+
 inline int64_t tile_tokens(const Shapes& s) { return std::max<int64_t>(1, kTileRows / s.group()); }
 
 struct TileScratch {
@@ -88,23 +90,25 @@ inline void score_rows(const float* qt, int64_t rpad, const float* base, const i
 }
 
 // Per row r: top = max_i s[i, r] (0 when the row sees no key), s <- exp(s - top) with -inf scores to exactly 0,
-// sum = sum_i s[i, r]; eight rows at a time.
+// sum = sum_i s[i, r]; V::N rows at a time (rpad is a multiple of V::N), two chains of keys (even, odd) each for the
+// max and the sum: one chain was bound by the latency of vmaxps (perf: the max loop 9% of a prefill tile).
+template <class V>
 inline void softmax_rows(float* s, int64_t n, int64_t rpad, float* top, float* sum) {
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t r = 0; r < rpad; r += 8) {
-    __m256 t = minus_inf;
-    for (int64_t i = 0; i < n; ++i) t = _mm256_max_ps(t, _mm256_loadu_ps(s + i * rpad + r));
-    t = _mm256_blendv_ps(t, _mm256_setzero_ps(), _mm256_cmp_ps(t, minus_inf, _CMP_EQ_OQ));
-    __m256 acc = _mm256_setzero_ps();
+  using T = typename V::T;
+  const T minus_inf = V::set1(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < rpad; r += V::N) {
+    T t[2] = {minus_inf, minus_inf};
+    for (int64_t i = 0; i < n; ++i) t[i & 1] = V::max(t[i & 1], V::load(s + i * rpad + r));
+    const T most = V::max(t[0], t[1]), top_r = V::zero_where(most, most, minus_inf);
+    T acc[2] = {V::zero(), V::zero()};
     for (int64_t i = 0; i < n; ++i) {
-      const __m256 x = _mm256_loadu_ps(s + i * rpad + r);
-      const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, minus_inf, _CMP_EQ_OQ),
-                                        exp_nonpositive(_mm256_sub_ps(x, t)));
-      _mm256_storeu_ps(s + i * rpad + r, e);
-      acc = _mm256_add_ps(acc, e);
+      const T x = V::load(s + i * rpad + r);
+      const T e = V::zero_where(exp_nonpositive(V::sub(x, top_r)), x, minus_inf);
+      V::store(s + i * rpad + r, e);
+      acc[i & 1] = V::add(acc[i & 1], e);
     }
-    _mm256_storeu_ps(top + r, t);
-    _mm256_storeu_ps(sum + r, acc);
+    V::store(top + r, top_r);
+    V::store(sum + r, V::add(acc[0], acc[1]));
   }
 }
 
@@ -183,16 +187,37 @@ void attend_tile_v(const Shapes& s, float scale, float softcap, const float* q, 
   }
   x.top.resize(static_cast<size_t>(rpad));
   x.sum.resize(static_cast<size_t>(rpad));
-  simd::softmax_rows(sc, n, rpad, x.top.data(), x.sum.data());
-  runs_of_three(rows, rows, [&](auto nh, int64_t r) {   // the tile's rows, 3 at a time
-    constexpr int NH = decltype(nh)::value;
-    float* o[NH];
-    for (int u = 0; u < NH; ++u) {
+  simd::softmax_rows<V>(sc, n, rpad, x.top.data(), x.sum.data());
+  // The weighted sums kValueChunk keys at a time, every row run over one chunk before the next: a chunk's value
+  // rows (16 KB at hd 64, float) stay in L1 for the tile's ~11 runs of 3 rows, where the whole union (up to MBs)
+  // came from L2 for each run.
+  auto rows_of = [&](int64_t r, int nh, float** o) {
+    for (int u = 0; u < nh; ++u) {
       const int64_t row = r + u;
       o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
     }
-    if (hd % V::N == 0) simd::weighted_rows<V, NH, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
-    else simd::weighted_rows<simd::V8, NH, false>(sc + r, 1, rpad, x.keys.data(), n, vbase, hd, o);
+  };
+  for (int64_t i0 = 0; i0 < std::max<int64_t>(n, 1); i0 += kValueChunk) {
+    const int64_t chunk = std::min(kValueChunk, n - i0);
+    runs_of_three(rows, rows, [&](auto nh, int64_t r) {   // the tile's rows, 3 at a time
+      constexpr int NH = decltype(nh)::value;
+      float* o[NH];
+      rows_of(r, NH, o);
+      const float* p = sc + i0 * rpad + r;
+      const int64_t* keys = x.keys.data() + i0;
+      if (hd % V::N == 0) {
+        if (i0 == 0) simd::weighted_rows<V, NH, false>(p, 1, rpad, keys, chunk, vbase, hd, o);
+        else simd::weighted_rows<V, NH, true>(p, 1, rpad, keys, chunk, vbase, hd, o);
+      } else {
+        if (i0 == 0) simd::weighted_rows<simd::V8, NH, false>(p, 1, rpad, keys, chunk, vbase, hd, o);
+        else simd::weighted_rows<simd::V8, NH, true>(p, 1, rpad, keys, chunk, vbase, hd, o);
+      }
+    });
+  }
+  runs_of_three(rows, rows, [&](auto nh, int64_t r) {
+    constexpr int NH = decltype(nh)::value;
+    float* o[NH];
+    rows_of(r, NH, o);
     for (int u = 0; u < NH; ++u) {
       const float total = x.sum[static_cast<size_t>(r + u)];
       const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros
