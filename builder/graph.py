@@ -69,6 +69,10 @@ class Graph:
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain or None, **attrs))
         return outs[0] if outputs == 1 else outs
 
+    def producer(self, value: str) -> onnx.NodeProto | None:
+        """The node whose output `value` is (None for a graph input or an initializer)."""
+        return next((n for n in reversed(self.nodes) if value in n.output), None)
+
     def scope(self, prefix: str) -> "Scope":
         """A node factory for one op instance; see Scope."""
         return Scope(self, prefix)

@@ -7,7 +7,8 @@
 The fused lowering reads x once for both projections. SiLU is Sigmoid*Mul, which ORT fuses into its QuickGelu
 kernel; GELU is the opset-20 Gelu(approximate="tanh"), which ORT runs as one kernel. With `kernel` (the engine's
 ops, --engine-kernels-plugin) a SiLU gate is one SwiGLU node over the fused projection instead of Split, QuickGelu
-and Mul (plugins/kernels/swiglu.cc).
+and Mul (plugins/kernels/swiglu.cc), or none where the projection is the engine's QuantMatMul, whose swiglu=1
+epilogue computes it (builder/model_graph.py composes quantized MLPs from gate_times_up too).
 
 Initializers (weight_name is the MLP's prefix, e.g. "layers.0.mlp"): plugin: "{weight_name}.gate_up.weight"
 [H, 2I]; reference: "{weight_name}.gate.weight", "{weight_name}.up.weight"; both "{weight_name}.down.weight".
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import helper
 
 from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.config import ACTIVATIONS
@@ -46,9 +48,15 @@ def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activatio
 
 
 def gate_times_up(g: Graph, op: Scope, fused: str, inter: int, activation: str, *, kernel: bool) -> str:
-    """act(gate) * up of a fused gate|up projection [T, 2I] -> [T, I] (the engine's SwiGLU op for SiLU with
-    `kernel`)."""
+    """act(gate) * up of a fused gate|up projection [T, 2I] -> [T, I]. SiLU with `kernel`: the engine's SwiGLU op,
+    or, where the projection is the engine's QuantMatMul, that op's own SwiGLU epilogue (swiglu=1: its prefill
+    tiles write act(gate) * up without storing the [T, 2I] projection)."""
     if kernel and activation == "silu":
+        producer = g.producer(fused)
+        if producer is not None and producer.op_type == "QuantMatMul" and producer.domain == ENGINE_DOMAIN \
+                and inter % 16 == 0:
+            producer.attribute.append(helper.make_attribute("swiglu", 1))
+            return fused
         return op("SwiGLU", [fused], domain=ENGINE_DOMAIN)
     gate, up = op("Split", [fused, g.const([inter, inter])], outputs=2, axis=-1)
     return op("Mul", [activate(g, op, gate, activation, True), up])

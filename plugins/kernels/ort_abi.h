@@ -64,6 +64,16 @@ class Api {
     throw std::runtime_error(message);
   }
 
+  // An attribute the node may lack (engines built before it existed): `fallback` then.
+  int64_t optional_int(const OrtKernelInfo* info, const char* name, int64_t fallback) const {
+    using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
+    int64_t value = fallback;
+    OrtStatus* status = reinterpret_cast<GetInt>(table_[kKernelInfoGetAttributeInt64])(info, name, &value);
+    if (status == nullptr) return value;
+    reinterpret_cast<void (*)(OrtStatus*)>(table_[kReleaseStatus])(status);
+    return fallback;
+  }
+
   void* const* table() const { return table_; }
 
  private:

@@ -22,10 +22,10 @@
 
 #include "quant_tiles.h"
 
+#include "amx.h"
+
 #if defined(ENGINE_KERNELS_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define ENGINE_KERNELS_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace engine_kernels {
@@ -36,14 +36,7 @@ constexpr int64_t kAmxRows = 16;  // rows of an A and a C tile
 inline int64_t amx_kc(int64_t group) { return group % 64 == 0 ? 64 : 32; }
 
 #ifdef ENGINE_KERNELS_AMX
-// Whether this process may use the tile registers (Linux asks each process to request them).
-inline bool amx_ready() {
-  static const bool ready = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
+inline bool amx_ready() { return amx_permitted(); }
 
 // Whether a call's rows go through AMX (then pack_rows runs before the items).
 inline bool amx_rows(int64_t tokens) { return tokens >= kAmxRows && amx_ready(); }

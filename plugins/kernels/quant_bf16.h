@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "quant_amx.h"
+#include "swiglu.h"
 
 #if defined(ENGINE_KERNELS_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define ENGINE_KERNELS_AMX_BF16 1
@@ -94,22 +95,19 @@ void dequantize_tile(const QuantJob& j, int64_t tl, uint16_t* out) {
   }
 }
 
-// Tiles 0-3: C (row group x column tile), 4-5: A, 6-7: B.
-struct alignas(64) Bf16Config {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  Bf16Config() {
-    for (int t = 0; t < 8; ++t) rows[t] = kAmxRows, colsb[t] = 64;
-  }
-};
-
 // A stored C tile (16 x 16 floats) -> out rows 16 g.., columns of tile tl.
 inline void copy_c(const QuantJob& j, int64_t g, int64_t tl, const float* c) {
   const int64_t rows = std::min(kAmxRows, j.tokens - g * kAmxRows), cols = std::min(kLanes, j.n - tl * kLanes);
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
   float* out = j.out + g * kAmxRows * j.n + tl * kLanes;
   for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * j.n, keep, _mm512_load_ps(c + r * kLanes));
+}
+
+// Stored C tiles of gate tile tl and its up tile -> silu(gate) * up, out rows 16 g.., columns of tile tl (of N / 2).
+inline void swiglu_c(const QuantJob& j, int64_t g, int64_t tl, const float* gate, const float* up) {
+  const int64_t rows = std::min(kAmxRows, j.tokens - g * kAmxRows), width = j.n / 2;
+  float* out = j.out + g * kAmxRows * width + tl * kLanes;
+  for (int64_t r = 0; r < rows; ++r) swiglu_span(gate + r * kLanes, up + r * kLanes, out + r * width, kLanes);
 }
 
 // C tile for row group g (of the item's) and tile t (0, 1) in the item's buffer of partial sums.
@@ -152,8 +150,10 @@ void bf16_block(const QuantJob& j, int64_t g, int64_t tl, const uint16_t* b0, co
   if constexpr (Groups == 2) _tile_stored(2, partial_c(sums, g + 1, 0), 64);
   if constexpr (Groups == 2 && Tiles == 2) _tile_stored(3, partial_c(sums, g + 1, 1), 64);
   if (k1 < j.k) return;
-  for (int64_t group = g; group < g + Groups; ++group)
-    for (int t = 0; t < Tiles; ++t) copy_c(j, group, tl + t, partial_c(sums, group, t));
+  for (int64_t group = g; group < g + Groups; ++group) {
+    if (j.swiglu) swiglu_c(j, group, tl, partial_c(sums, group, 0), partial_c(sums, group, 1));
+    else for (int t = 0; t < Tiles; ++t) copy_c(j, group, tl + t, partial_c(sums, group, t));
+  }
 }
 
 // Every row of the item, K in blocks of kKBlock: a block of the item's B tiles (2 x 16 KB) stays in L1 while all
@@ -172,32 +172,40 @@ void bf16_rows_of(const QuantJob& j, int64_t tl, const uint16_t* b0, const uint1
   }
 }
 
+// Tile tl with its neighbour, or with its up tile (tl + tiles / 2) for the SwiGLU epilogue.
 template <int Bits, bool Offsets>
 void bf16_item(const QuantJob& j, int64_t tl) {
   thread_local std::vector<uint16_t> scratch;
   scratch.resize(static_cast<size_t>(2 * j.k * kLanes) + 32);
   uint16_t* b0 = aligned64(scratch);
   uint16_t* b1 = b0 + j.k * kLanes;
-  const bool pair = tl + 1 < j.tiles;
+  const int64_t second = j.swiglu ? tl + j.tiles / 2 : tl + 1;
+  const bool pair = second < j.tiles;
   dequantize_tile<Bits, Offsets>(j, tl, b0);
-  if (pair) dequantize_tile<Bits, Offsets>(j, tl + 1, b1);
-  const Bf16Config config;
+  if (pair) dequantize_tile<Bits, Offsets>(j, second, b1);
+  const FullTiles config;  // 0-3: C (row group x column tile), 4-5: A, 6-7: B
   _tile_loadconfig(&config);
   if (pair) bf16_rows_of<2>(j, tl, b0, b1);
   else bf16_rows_of<1>(j, tl, b0, b1);
   _tile_release();
 }
 
-// Item i: tiles 2 i, 2 i + 1 x every row.
+// Item i: tiles 2 i, 2 i + 1 (with the SwiGLU epilogue: gate tile i and its up tile) x every row.
+inline size_t bf16_item_count(const QuantJob& j) {
+  return static_cast<size_t>(j.swiglu ? j.tiles / 2 : (j.tiles + 1) / 2);
+}
+
 inline void bf16_items(void* opaque, size_t i) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
-  by_kind(j, [&](auto bits, auto offsets) { bf16_item<bits, offsets>(j, 2 * static_cast<int64_t>(i)); });
+  const int64_t tl = j.swiglu ? static_cast<int64_t>(i) : 2 * static_cast<int64_t>(i);
+  by_kind(j, [&](auto bits, auto offsets) { bf16_item<bits, offsets>(j, tl); });
 }
 #else
 inline bool bf16_rows(int64_t) { return false; }
 inline int64_t bf16_groups(int64_t) { return 0; }
 inline void size_bf16_rows(const QuantJob&) {}
 inline void pack_bf16(void*, size_t) {}
+inline size_t bf16_item_count(const QuantJob&) { return 0; }
 inline void bf16_items(void*, size_t) {}
 #endif
 

@@ -12,12 +12,17 @@
 //   out        float [T, N]   sum over blocks b: d * da_b * (q . qa_b) + m * da_b * sum(qa_b)
 // where qa_b = round(x_b * 127 / max|x_b|) (int8) and da_b = max|x_b| / 127 for block b of a row of x; with
 // offsets=0 the zero point is taken off in integers: d * da_b * (q . qa_b - zero_point * sum(qa_b)).
-// Attributes: N, bits, group_size (a multiple of 32), offsets. N is padded to whole tiles with zero columns.
+// A call of >= 64 rows on a CPU with AMX-BF16 computes x @ W^T in bfloat16 instead (quant_bf16.h: W and x rounded
+// to bfloat16, summed in float32), closer to the exact product than int8 activations.
+// Attributes: N, bits, group_size (a multiple of 32), offsets; swiglu (optional, default 0): 1 makes the output
+// [T, N / 2] = silu(y[:, :N/2]) * y[:, N/2:] of the projection y (a fused gate|up, N / 2 a multiple of 16; the
+// SwiGLU op's math, swiglu.h), which the bfloat16 tiles write without storing y. N is padded to whole tiles with
+// zero columns.
 //
 // QuantGather (below) reads rows of the same blocks: a tied embedding and a quantized lm_head share one table.
 //
-// The tiles' vector code (AVX-512 VNNI, AVX2) is in quant_tiles.h; rows 16 at a time on AMX in quant_amx.h.
-// Items (a chunk of rows x a chunk of tiles) run on ORT's intra-op threads.
+// The tiles' vector code (AVX-512 VNNI, AVX2) is in quant_tiles.h; rows 16 at a time on AMX's int8 tiles in
+// quant_amx.h. Items (a chunk of rows x a chunk of tiles) run on ORT's intra-op threads.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -25,6 +30,7 @@
 
 #include "ort_abi.h"
 #include "quant_bf16.h"
+#include "swiglu.h"
 
 namespace engine_kernels {
 namespace {
@@ -36,8 +42,20 @@ constexpr const char* kName = "QuantMatMul";
 struct QuantKernel {
   Api api;
   int64_t n, bits, group;
-  bool offsets;
+  bool offsets, swiglu;
 };
+
+struct SwigluRows {
+  const float* projection;
+  float* out;
+  int64_t width;  // N / 2
+};
+
+void swiglu_rows(void* opaque, size_t t) {
+  const auto& j = *static_cast<const SwigluRows*>(opaque);
+  const float* gate = j.projection + static_cast<int64_t>(t) * 2 * j.width;
+  swiglu_span(gate, gate + j.width, j.out + static_cast<int64_t>(t) * j.width, j.width);
+}
 
 // Row t of x -> its int8 values, scales and sums, one block at a time.
 void quantize_row(void* opaque, size_t t) {
@@ -113,21 +131,27 @@ void compute(void* opaque, OrtKernelContext* context) {
   const int64_t block_bytes = kHeader + kernel.group / kSub * sub_bytes(kernel.bits);
   require(w.shape == std::vector<int64_t>{tiles, k / kernel.group, block_bytes}, kName,
           "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
-  float* out = output<float>(kernel.api, context, 0, {tokens, kernel.n});
+  float* out = output<float>(kernel.api, context, 0, {tokens, kernel.swiglu ? kernel.n / 2 : kernel.n});
   if (tokens == 0) return;
+  // With the SwiGLU epilogue the bfloat16 tiles write silu(gate) * up themselves; the other code writes the
+  // projection [T, N] here first.
+  const bool bf16 = bf16_rows(tokens), staged = kernel.swiglu && !bf16;
+  thread_local std::vector<float> projection;
+  if (staged) projection.resize(static_cast<size_t>(tokens * kernel.n));
   thread_local Activations a;
   a.q.resize(static_cast<size_t>(tokens * k));
   a.d.resize(static_cast<size_t>(tokens * k / kernel.group));
   a.sum.resize(a.d.size());
   // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
   const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
-  QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data), out, &a, tokens, k,
-               kernel.n, kernel.bits, kernel.group, k / kernel.group, block_bytes, tiles, tile_chunk,
-               (tiles + tile_chunk - 1) / tile_chunk, kernel.offsets};
-  if (bf16_rows(tokens)) {
+  QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
+               staged ? projection.data() : out, &a, tokens, k, kernel.n, kernel.bits, kernel.group,
+               k / kernel.group, block_bytes, tiles, tile_chunk, (tiles + tile_chunk - 1) / tile_chunk,
+               kernel.offsets, kernel.swiglu};
+  if (bf16) {
     size_bf16_rows(job);
     parallel_for(kernel.api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);
-    parallel_for(kernel.api, context, static_cast<size_t>((tiles + 1) / 2), bf16_items, &job);
+    parallel_for(kernel.api, context, bf16_item_count(job), bf16_items, &job);
     return;
   }
   if (tokens == 1) quantize_row(&job, 0);
@@ -138,6 +162,10 @@ void compute(void* opaque, OrtKernelContext* context) {
   }
   const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
   parallel_for(kernel.api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
+  if (!staged) return;
+  SwigluRows rows{projection.data(), out, kernel.n / 2};
+  if (tokens == 1) swiglu_rows(&rows, 0);
+  else parallel_for(kernel.api, context, static_cast<size_t>(tokens), swiglu_rows, &rows);
 }
 
 // QuantGather: rows `ids` of the weight QuantMatMul's blocks hold, dequantized (a tied embedding reading the
@@ -201,7 +229,9 @@ void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
   require(n > 0, kName, "N must be positive");
   require(bits == 4 || bits == 8, kName, "bits must be 4 or 8");
   require(group > 0 && group % kSub == 0, kName, "group_size must be a positive multiple of 32");
-  return new QuantKernel{api, n, bits, group, offsets != 0};
+  const bool swiglu = !gather && api.optional_int(info, "swiglu", 0) != 0;
+  require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
+  return new QuantKernel{api, n, bits, group, offsets != 0, swiglu};
 }
 
 KernelOp kOp = kernel_op(

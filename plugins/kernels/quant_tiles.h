@@ -51,6 +51,7 @@ struct QuantJob {
   Activations* a;
   int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
   bool offsets;
+  bool swiglu = false;  // out [T, N / 2] = silu(columns < N / 2) * (columns >= N / 2), where the tiles write it
 };
 
 // The first element of v on a cache line (v holds 64 bytes to spare): tile loads and aligned stores want one.

@@ -2,13 +2,10 @@
 // (ORT's fusion of x * Sigmoid(x)) and Mul.
 //
 //   0 x    float [T, 2I]   gate = x[:, :I], up = x[:, I:]
-//   out    float [T, I]    gate * sigmoid(gate) * up
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows). Rows run on ORT's
-// intra-op threads.
-#include <cmath>
-
-#include "attention_math.h"
+//   out    float [T, I]    gate * sigmoid(gate) * up (swiglu.h)
+// Rows run on ORT's intra-op threads. QuantMatMul with swiglu=1 computes the same from its own projection.
 #include "ort_abi.h"
+#include "swiglu.h"
 
 namespace engine_kernels {
 namespace {
@@ -24,23 +21,7 @@ struct SwigluJob {
 void swiglu_row(void* opaque, size_t t) {
   const auto& j = *static_cast<const SwigluJob*>(opaque);
   const float* gate = j.x + static_cast<int64_t>(t) * 2 * j.inter;
-  const float* up = gate + j.inter;
-  float* y = j.out + static_cast<int64_t>(t) * j.inter;
-  int64_t i = 0;
-#ifdef ENGINE_KERNELS_AVX2
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  for (; i + 8 <= j.inter; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = simd::exp_nonpositive(_mm256_or_ps(g, sign));   // exp(-|g|)
-    const __m256 high = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    const __m256 sig = _mm256_blendv_ps(high, _mm256_mul_ps(e, high), g);   // the sign bit of g picks e / (1 + e)
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
-  }
-#endif
-  for (; i < j.inter; ++i) {
-    const float e = std::exp(-std::fabs(gate[i])), high = 1.0f / (1.0f + e);
-    y[i] = gate[i] * (gate[i] < 0 ? e * high : high) * up[i];
-  }
+  swiglu_span(gate, gate + j.inter, j.out + static_cast<int64_t>(t) * j.inter, j.inter);
 }
 
 void compute(void* opaque, OrtKernelContext* context) {

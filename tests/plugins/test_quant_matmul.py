@@ -172,3 +172,29 @@ def test_gather_reads_rows_of_the_same_blocks(weight):
         np.testing.assert_array_equal(rows, expected)
     else:
         assert_close(rows, expected, rtol=1e-6, atol=1e-6 * float(np.abs(expected).max()))
+
+
+def gated_op(x: np.ndarray, q: QuantizedWeight, fused: bool) -> np.ndarray:
+    """silu(gate) * up of the projection by q ([gate; up] rows): QuantMatMul's swiglu=1 epilogue, or its
+    projection into the SwiGLU op."""
+    n, _ = q.shape
+
+    def graph(g, xs):
+        extra = {"swiglu": 1} if fused else {}
+        y = g.scope("/proj")("QuantMatMul", [xs, g.weight("proj.weight", quant_matmul.pack(q))], domain=ENGINE_DOMAIN,
+                             N=n, bits=q.bits, group_size=q.group_size, offsets=int(q.offsets is not None), **extra)
+        return y if fused else g.scope("/act")("SwiGLU", [y], domain=ENGINE_DOMAIN)
+
+    return run_op(graph, {"x": x})
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 70, 300])   # the staged projection (VNNI, AMX int8); bfloat16 tiles
+def test_swiglu_epilogue_equals_the_swiglu_op(tokens):
+    """swiglu=1 gives exactly SwiGLU(QuantMatMul): the same projection, the same silu(gate) * up (swiglu.h), for
+    every weight kind; N = 96: gate and up of 3 tiles each, so the bfloat16 tiles pair tile i with tile i + 3."""
+    x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
+    for name in sorted(WEIGHTS):
+        q = WEIGHTS[name](96, 256)
+        fused = gated_op(x, q, True)
+        assert fused.shape == (tokens, 48)
+        np.testing.assert_array_equal(fused, gated_op(x, q, False))

@@ -1,0 +1,32 @@
+// silu(gate) * up over a span of values: the SwiGLU op's math (swiglu.cc), shared with QuantMatMul's fused
+// epilogue (quant_matmul.cc), so both give the same floats.
+//
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_math.h"
+
+namespace engine_kernels {
+
+inline void swiglu_span(const float* gate, const float* up, float* y, int64_t count) {
+  int64_t i = 0;
+#ifdef ENGINE_KERNELS_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= count; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = simd::exp_nonpositive(_mm256_or_ps(g, sign));   // exp(-|g|)
+    const __m256 high = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 sig = _mm256_blendv_ps(high, _mm256_mul_ps(e, high), g);   // the sign bit of g picks e / (1 + e)
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < count; ++i) {
+    const float e = std::exp(-std::fabs(gate[i])), high = 1.0f / (1.0f + e);
+    y[i] = gate[i] * (gate[i] < 0 ? e * high : high) * up[i];
+  }
+}
+
+}  // namespace engine_kernels
