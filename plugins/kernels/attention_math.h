@@ -70,13 +70,18 @@ struct Shapes {
 
 // f(NH, r) for rows r .. r + NH - 1 of [0, count) in runs of up to 3 that never cross a multiple of `group` (the
 // query heads of one KV head), NH an integral_constant: the register-blocked loops are instantiated for 1-3 rows.
-template <typename F>
+template <int Max = 3, typename F>
 inline void runs_of_three(int64_t count, int64_t group, F&& f) {
   for (int64_t r = 0, nh; r < count; r += nh) {
-    nh = std::min<int64_t>(3, group - r % group);
-    if (nh == 3) f(std::integral_constant<int, 3>{}, r);
-    else if (nh == 2) f(std::integral_constant<int, 2>{}, r);
-    else f(std::integral_constant<int, 1>{}, r);
+    nh = std::min<int64_t>(Max, group - r % group);
+    switch (nh) {
+      case 6: if constexpr (Max >= 6) f(std::integral_constant<int, 6>{}, r); break;
+      case 5: if constexpr (Max >= 5) f(std::integral_constant<int, 5>{}, r); break;
+      case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}, r); break;
+      case 3: f(std::integral_constant<int, 3>{}, r); break;
+      case 2: f(std::integral_constant<int, 2>{}, r); break;
+      default: f(std::integral_constant<int, 1>{}, r);
+    }
   }
 }
 

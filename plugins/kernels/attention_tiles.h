@@ -29,8 +29,13 @@ struct Tile {
 #ifdef ENGINE_KERNELS_AVX2
 
 // Query rows per tile: enough 8-lane chains to keep the FMA units busy, few enough that a tile of a causal
-// prefill wastes little on keys its earlier tokens do not see.
+// prefill wastes little on keys its earlier tokens do not see. With AVX-512, 64: scores 4 vectors of rows at a
+// time (SmolLM2 prefill of 512 tokens 2-4% faster than 32, bench/NOTES.md entry 29).
+#ifdef __AVX512F__
+constexpr int64_t kTileRows = 64;
+#else
 constexpr int64_t kTileRows = 32;
+#endif
 
 constexpr int64_t kValueChunk = 64;  // keys of the weighted sums per pass over the tile's rows
 
@@ -173,9 +178,17 @@ void attend_tile_v(const Shapes& s, float scale, float softcap, const float* q, 
     }
   x.s.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * rpad));
   float* sc = x.s.data();
-  for (int64_t r = 0; r < rpad; r += 2 * V::N) {
-    if (rpad - r >= 2 * V::N) simd::score_rows<V, 2>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
-    else simd::score_rows<V, 1>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+  for (int64_t r = 0; r < rpad;) {
+    if (V::N == 16 && rpad - r >= 4 * V::N) {
+      simd::score_rows<V, 4>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+      r += 4 * V::N;
+    } else if (rpad - r >= 2 * V::N) {
+      simd::score_rows<V, 2>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+      r += 2 * V::N;
+    } else {
+      simd::score_rows<V, 1>(x.qt.data() + r, rpad, kbase, x.keys.data(), n, hd, sc + r);
+      r += V::N;
+    }
   }
   if (softcap > 0)
     for (int64_t e = 0; e < n * rpad; ++e) sc[e] = softcap * std::tanh(sc[e] / softcap);
@@ -197,9 +210,10 @@ void attend_tile_v(const Shapes& s, float scale, float softcap, const float* q, 
       o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
     }
   };
+  constexpr int kRun = V::N == 16 ? 6 : 3;  // rows per pass: 6 x 4 accumulators fit AVX-512's 32 registers
   for (int64_t i0 = 0; i0 < std::max<int64_t>(n, 1); i0 += kValueChunk) {
     const int64_t chunk = std::min(kValueChunk, n - i0);
-    runs_of_three(rows, rows, [&](auto nh, int64_t r) {   // the tile's rows, 3 at a time
+    runs_of_three<kRun>(rows, rows, [&](auto nh, int64_t r) {   // the tile's rows, kRun at a time
       constexpr int NH = decltype(nh)::value;
       float* o[NH];
       rows_of(r, NH, o);
