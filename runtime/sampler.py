@@ -59,8 +59,19 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
     assert B == len(rows), (B, len(rows))
     token_ids = np.empty(B, dtype=np.int64)
     logprobs: list[Logprob | None] = []
+    # Rows that are only an argmax (greedy, nothing banned or penalised, no logprobs) read the float32 logits as
+    # they are, a batch of only such rows in one call: the same token as steps 1-5 (widening to float64 keeps the
+    # order, the first maximum either way) without copying each row twice (2.9 ms of a batch-32 SmolLM2 step).
+    plain = [_argmax_only(row) for row in rows]
+    if all(plain):
+        np.argmax(logits, axis=1, out=token_ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=[None] * B)
     for b, row in enumerate(rows):
         p = row.params
+        if plain[b]:
+            token_ids[b] = np.argmax(logits[b])
+            logprobs.append(None)
+            continue
         raw = np.asarray(logits[b], dtype=np.float64)
         x = raw.copy()
         if len(row.banned_token_ids):
@@ -78,6 +89,12 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
         token_ids[b] = tok
         logprobs.append(None if p.logprobs is None else _logprobs(raw, tok, p.logprobs))
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _argmax_only(row: SamplingRow) -> bool:
+    p = row.params
+    return (p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids)
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
 
 
 def apply_penalties(x: np.ndarray, row: SamplingRow) -> None:

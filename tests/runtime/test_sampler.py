@@ -20,6 +20,26 @@ def test_greedy_is_argmax_lowest_id_on_ties():
     assert out.token_ids.tolist() == [1, 0]
 
 
+def test_greedy_rows_of_a_mixed_batch_take_the_general_paths_token():
+    """Plain greedy rows (argmax in one call over the float32 logits) beside rows that need the per-row path
+    (banned ids, a penalty, logprobs, sampling): each gets what it would alone, ties and -inf included."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(6, 40)).astype(np.float32)
+    logits[0, [3, 9]] = logits[0].max() + 1     # a tie: the lowest id wins
+    logits[1, :] = -np.inf
+    logits[1, 7] = -1e30
+    rows = [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=0)),
+            row(SamplingParams(temperature=0), banned=[int(np.argmax(logits[2]))]),
+            row(SamplingParams(temperature=0, repetition_penalty=3.0), prompt=[int(np.argmax(logits[3]))]),
+            row(SamplingParams(temperature=0, logprobs=2)), row(SamplingParams(temperature=0.8, seed=3), seed=3)]
+    batch = sample(logits, rows)
+    alone = [sample(logits[b:b + 1], [r]) for b, r in enumerate(rows[:5])]
+    assert batch.token_ids[:5].tolist() == [a.token_ids[0] for a in alone]
+    assert batch.token_ids[:2].tolist() == [3, 7]
+    assert batch.token_ids[2] != np.argmax(logits[2]) and batch.token_ids[3] != np.argmax(logits[3])
+    assert batch.logprobs[:4] == [None] * 4 and batch.logprobs[4].token_id == batch.token_ids[4]
+
+
 def test_temperature_scales_the_distribution():
     x = np.array([1.0, 2.0, 0.5, -1.0])
     got = filter_probs(x / 2.0, SamplingParams(temperature=2.0))
