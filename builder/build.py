@@ -36,6 +36,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
 from engine.core.sharding import Packer, shard, unpack_and_merge
 from engine.core.tensors import rank_elements
+from engine.plugins import quant_matmul
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, check_gate
 from engine.quantization import calibrated as calib
@@ -50,7 +51,7 @@ from . import tensorrt_backend as trtb
 from . import tensorrt_collectives as trtc
 from . import tensorrt_quant as trtq
 from .graph import uses_engine_kernels
-from .memory import memory_plan
+from .memory import memory_plan, runs_quant_matmul
 from .model_graph import build_graph
 from .reference import ReferenceEngine
 from .segments import save_segments
@@ -89,7 +90,8 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
     check_tp(model, b.tp_size)
 
 
-def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig | None = None) -> dict:
+def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig | None = None,
+                 plugins: PluginConfig | None = None) -> dict:
     """What runs at which precision: the plugins lower float32 only, so float16/bfloat16 requests compute in
     float32 (ORT's CPU provider has no bfloat16 MatMul kernel at all)."""
     note = ("" if build.dtype == "float32" else
@@ -112,11 +114,21 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
             "weights": f"int{bits} weight-only ({quant.mode}, {how}, group {quant.group_size}) in "
                        f"the layers' projections; lm_head {head}; embeddings "
                        f"{head if tied else 'float32'}",
-            "activations": "float32" if quant.accuracy_level in (0, 1) else
-                           "float32; int8 per block inside MatMulNBits (accuracy_level 4)"})
+            "activations": "float32" if quant.accuracy_level in (0, 1) else _rounded_activations(quant, plugins)})
     if build.backend == "tensorrt" and quant is not None and quant.mode is not None:
         precision.update(trtq.tensorrt_precision(quant.mode))
     return precision
+
+
+def _rounded_activations(quant: QuantConfig, plugins: PluginConfig | None) -> str:
+    """The activations of weight-only projections at accuracy level 4: int8 per block in MatMulNBits or the engine's
+    QuantMatMul, which on a CPU with AMX-BF16 (the engine's: it is built where it runs) rounds steps of many tokens
+    to bfloat16 instead."""
+    if not runs_quant_matmul(quant, plugins):
+        return "float32; int8 per block inside MatMulNBits (accuracy_level 4)"
+    bf16 = (f"; bfloat16 in steps of {quant_matmul.BF16_ROWS} tokens or more (this CPU has AMX-BF16)"
+            if quant_matmul.has_bf16_tiles() else "")
+    return f"float32; int8 per block inside QuantMatMul (accuracy_level 4){bf16}"
 
 
 # ---- rank tensors -----------------------------------------------------------------------------------------
@@ -327,7 +339,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         model=ckpt.model, build=build, build_flags=dict(build_flags or {}), plugins=plugins,
         mapping=Mapping(world_size=build.tp_size, tp_size=build.tp_size, pp_size=1),
         quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant, plugins),
-        precision=precision_of(ckpt, build, quant), toolchain_version=toolchain_version(),
+        precision=precision_of(ckpt, build, quant, plugins), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
     kv_quantized = build.kv_cache_dtype in kv_cache.QUANTIZED
     with atomic_output_dir(out_dir, force=force) as tmp, ReferenceEngine(ckpt_dir, config, tmp.parent) as reference:

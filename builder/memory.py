@@ -39,7 +39,7 @@ QUANTIZED_PROJECTIONS = ("attention.q", "attention.k", "attention.v", "attention
                          "mlp.down")
 
 
-def _repacked(quant: QuantConfig, plugins: PluginConfig | None) -> bool:
+def runs_quant_matmul(quant: QuantConfig, plugins: PluginConfig | None) -> bool:
     """Whether the build runs its weight-only quantized projections as QuantMatMul (plugins/linear.py)."""
     return plugins is not None and quant.group_size is not None and quant_matmul.runs(
         quant.group_size, quant.accuracy_level or 0, plugin=plugins.weight_only_quant_matmul_plugin,
@@ -52,7 +52,7 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
         return rank_weight_elements(model, tp, max_seq_len) * compute
-    group, packed = quant.group_size, _repacked(quant, plugins)
+    group, packed = quant.group_size, runs_quant_matmul(quant, plugins)
     if quant.mode in calibrated.CALIBRATED:
         return _calibrated_bytes(model, tp, max_seq_len, quant, packed)
     bits = BITS[quant.mode]

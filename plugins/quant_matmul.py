@@ -20,6 +20,7 @@ import numpy as np
 from engine.plugins import native
 from engine.quantization.weight_only import QuantizedWeight, dequantize, unpack
 
+BF16_ROWS = 64   # calls of this many rows or more take the bfloat16 tiles where the CPU has AMX-BF16 (kBf16Rows)
 LANES = 16  # columns per tile
 SUB = 32    # K values per sub-block
 HEADER = 64  # bytes of scales per tile and block
@@ -37,6 +38,11 @@ def runs(group_size: int, accuracy_level: int, *, plugin: bool, kernel: bool) ->
     """Whether a build with these switches (--weight-only-quant-matmul-plugin, --engine-kernels-plugin) lowers
     weight-only projections to QuantMatMul (plugins/linear.py; the memory plan asks the same)."""
     return plugin and kernel and supported(group_size, accuracy_level)
+
+
+def has_bf16_tiles() -> bool:
+    """Whether this CPU runs QuantMatMul's calls of BF16_ROWS rows or more on AMX-BF16 (kernels/quant_bf16.h)."""
+    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx512bw"} <= set(native._cpu_flags().split())
 
 
 def stored_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> int:

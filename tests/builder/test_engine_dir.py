@@ -182,3 +182,23 @@ def test_float16_request_is_computed_in_float32_and_says_so(tiny):
     half = EngineSession(tiny.engine(LLAMA, dtype="float16"), num_blocks=4).run(chunk)
     full = EngineSession(tiny.engine(LLAMA), num_blocks=4).run(chunk)
     np.testing.assert_array_equal(half, full)
+
+
+def test_precision_names_the_quantized_projections_activations():
+    """Weight-only at accuracy level 4: int8 activations in QuantMatMul (bfloat16 in steps of 64 tokens or more
+    where this CPU has AMX-BF16), or in MatMulNBits without the engine's kernels."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from engine.builder.build import precision_of
+    from engine.core.config import QuantConfig
+    from engine.plugins import quant_matmul
+    from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
+    ckpt = SimpleNamespace(dtype="float32", model=SimpleNamespace(tie_word_embeddings=False))
+    quant = QuantConfig(mode="int8_wo", group_size=32, accuracy_level=4)
+    kernels = precision_of(ckpt, TEST_BUILD, quant, ALL_PLUGINS)["activations"]
+    assert ("QuantMatMul" in kernels) == quant_matmul.runs(32, 4, plugin=True, kernel=True)
+    assert ("bfloat16 in steps of 64 tokens or more" in kernels) == (
+        "QuantMatMul" in kernels and quant_matmul.has_bf16_tiles())
+    plain = precision_of(ckpt, TEST_BUILD, quant, dataclasses.replace(ALL_PLUGINS, engine_kernels_plugin=False))
+    assert plain["activations"] == "float32; int8 per block inside MatMulNBits (accuracy_level 4)"

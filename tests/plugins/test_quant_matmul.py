@@ -40,8 +40,8 @@ def quant_matmul_op(x: np.ndarray, q: QuantizedWeight, threads: int = 2) -> np.n
 
 
 AMX = {"amx_tile", "amx_int8"} <= set(native._cpu_flags().split())
-AMX_BF16 = AMX and {"amx_bf16", "avx512_bf16"} <= set(native._cpu_flags().split())
-BF16_ROWS = 64 if AMX_BF16 else None   # kernels/quant_bf16.h kBf16Rows: calls of as many rows take bfloat16 tiles
+AMX_BF16 = quant_matmul.has_bf16_tiles()
+BF16_ROWS = quant_matmul.BF16_ROWS if AMX_BF16 else None   # calls of as many rows take bfloat16 tiles
 
 
 def expected(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
