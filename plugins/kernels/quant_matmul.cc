@@ -139,9 +139,6 @@ void compute(void* opaque, OrtKernelContext* context) {
   thread_local std::vector<float> projection;
   if (staged) projection.resize(static_cast<size_t>(tokens * kernel.n));
   thread_local Activations a;
-  a.q.resize(static_cast<size_t>(tokens * k));
-  a.d.resize(static_cast<size_t>(tokens * k / kernel.group));
-  a.sum.resize(a.d.size());
   // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
   const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
@@ -154,6 +151,9 @@ void compute(void* opaque, OrtKernelContext* context) {
     parallel_for(kernel.api, context, bf16_item_count(job), bf16_items, &job);
     return;
   }
+  a.q.resize(static_cast<size_t>(tokens * k));
+  a.d.resize(static_cast<size_t>(tokens * k / kernel.group));
+  a.sum.resize(a.d.size());
   if (tokens == 1) quantize_row(&job, 0);
   else parallel_for(kernel.api, context, static_cast<size_t>(tokens), quantize_row, &job);
   if (amx_rows(tokens)) {
