@@ -92,7 +92,7 @@ template <class V, typename P>
 void chunk_scores(const Shapes& s, const float* q, const P* kc, const int64_t* keys, int64_t n, float* p) {
 #ifdef ENGINE_KERNELS_AVX2
   if constexpr (!std::is_void_v<V>) {
-    runs_of_three(s.heads, s.group(), [&](auto nh, int64_t h) {
+    runs_of(s.heads, s.group(), [&](auto nh, int64_t h) {
       simd::score_keys<V, decltype(nh)::value>(q + h * s.hd, kc + h / s.group() * s.hd, keys, n, s.hd,
                                                p + h * kChunk, kChunk);
     });
@@ -112,7 +112,7 @@ void chunk_values(const Shapes& s, const float* p, const P* vc, const int64_t* k
   const int64_t stride = s.hd + 2;
 #ifdef ENGINE_KERNELS_AVX2
   if constexpr (!std::is_void_v<V>) {
-    runs_of_three(s.heads, s.group(), [&](auto nh, int64_t h) {
+    runs_of(s.heads, s.group(), [&](auto nh, int64_t h) {
       constexpr int NH = decltype(nh)::value;
       float* o[NH];
       for (int u = 0; u < NH; ++u) o[u] = partial + (h + u) * stride + 2;

@@ -202,21 +202,18 @@ void attend_tile_v(const Shapes& s, float scale, float softcap, const float* q, 
   x.sum.resize(static_cast<size_t>(rpad));
   simd::softmax_rows<V>(sc, n, rpad, x.top.data(), x.sum.data());
   // The weighted sums kValueChunk keys at a time, every row run over one chunk before the next: a chunk's value
-  // rows (16 KB at hd 64, float) stay in L1 for the tile's ~11 runs of 3 rows, where the whole union (up to MBs)
+  // rows (16 KB at hd 64, float) stay in L1 for all the tile's runs of rows, where the whole union (up to MBs)
   // came from L2 for each run.
-  auto rows_of = [&](int64_t r, int nh, float** o) {
-    for (int u = 0; u < nh; ++u) {
-      const int64_t row = r + u;
-      o[u] = out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
-    }
+  auto row_out = [&](int64_t row) {
+    return out + t.out_rows[row / group] * s.heads * hd + (g * group + row % group) * hd;
   };
   constexpr int kRun = V::N == 16 ? 6 : 3;  // rows per pass: 6 x 4 accumulators fit AVX-512's 32 registers
   for (int64_t i0 = 0; i0 < std::max<int64_t>(n, 1); i0 += kValueChunk) {
     const int64_t chunk = std::min(kValueChunk, n - i0);
-    runs_of_three<kRun>(rows, rows, [&](auto nh, int64_t r) {   // the tile's rows, kRun at a time
+    runs_of<kRun>(rows, rows, [&](auto nh, int64_t r) {   // the tile's rows, kRun at a time
       constexpr int NH = decltype(nh)::value;
       float* o[NH];
-      rows_of(r, NH, o);
+      for (int u = 0; u < NH; ++u) o[u] = row_out(r + u);
       const float* p = sc + i0 * rpad + r;
       const int64_t* keys = x.keys.data() + i0;
       if (hd % V::N == 0) {
@@ -228,16 +225,12 @@ void attend_tile_v(const Shapes& s, float scale, float softcap, const float* q, 
       }
     });
   }
-  runs_of_three(rows, rows, [&](auto nh, int64_t r) {
-    constexpr int NH = decltype(nh)::value;
-    float* o[NH];
-    rows_of(r, NH, o);
-    for (int u = 0; u < NH; ++u) {
-      const float total = x.sum[static_cast<size_t>(r + u)];
-      const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros
-      for (int64_t d = 0; d < hd; ++d) o[u][d] *= inv;
-    }
-  });
+  for (int64_t row = 0; row < rows; ++row) {
+    const float total = x.sum[static_cast<size_t>(row)];
+    const float inv = total > 0 ? 1.0f / total : 0.0f;  // a row that sees no key: zeros
+    float* o = row_out(row);
+    for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+  }
 }
 
 template <typename P>

@@ -11,9 +11,11 @@
 //   A  bf16 [16 rows, 32]      packed once a call by pack_bf16: per group of 16 rows [K / 32][16][32], rows past
 //                              the last zero
 //   B  bf16 [16, 16 cols x 2]  row i: column j's pair k = 2 i, 2 i + 1 of a chunk of 32 K, per tile [K / 32][16][32]
-//   C  fp32 [16 rows, 16 cols] two groups of rows x two tiles of columns at a time, stored once at the end of K
+//   C  fp32 [16 rows, 16 cols] two groups of rows x two tiles of columns at a time, K in passes of kKBlock with the
+//                              partial sums kept in the item's buffer between passes
 //
-// An item is two tiles (32 columns) x every row, so each tile is dequantized once a call.
+// An item is two tiles x every row (neighbours, or with swiglu=1 gate tile i and its up tile i + tiles / 2), so each
+// tile is dequantized once a call.
 #pragma once
 
 #include <algorithm>
