@@ -19,7 +19,7 @@ measurement in a process of its own). Steps, in order (names for --only / --skip
     hf-fp32, hf-bf16     transformers generate (sdpa)
     ortgenai-<p>         onnxruntime-genai 0.18 Generator, int4 / int8 / fp32 from its model builder
     llamacpp-<gguf>      llama-cpp-python when installed (LLAMA_CPP_LIB_PATH is honoured, as in the anchors),
-                         the shipped Q4_1 GGUF and any --gguf given
+                         the shipped Q4_1 GGUF, a Q8_0 of it made by llama.cpp's quantizer, and any --gguf given
     engine-api-<variant> the Python API (LLM.generate), timed like transformers' generate: fp32, int8, int4
     coldstart-<variant>  process start -> first generated token through LLM.stream, and `engine run` start to exit
 
@@ -252,9 +252,11 @@ def run_all(args: argparse.Namespace) -> dict:
 
     llama = installed("llama_cpp")
     no_llama = "" if llama else "llama-cpp-python is not installed (see /work/shared/DESIGN.md: build it without AMX)"
-    for g in [gguf, *(Path(x) for x in args.gguf)]:
+    # the shipped Q4_1 (its tied embedding, the lm_head, is Q8_0 in the file) and the same weights in Q8_0
+    for g in [gguf, models.llamacpp_q8_0(cache, gguf), *(Path(x) for x in args.gguf)]:
         r.step(f"llamacpp-{g.stem}", f"llama.cpp (llama-cpp-python {llama})".replace(" )", ")"), g.name,
-               lambda g=g: r.worker("llamacpp", r.spec(gguf=str(g))), missing=no_llama)
+               lambda g=g: r.worker("llamacpp", r.spec(gguf=str(models.ensure_gguf(cache, gguf, g)))),
+               missing=no_llama)
 
     # The engine's secondary measurements come after the peers, so engines and peers run close together in time.
     for variant in API_VARIANTS:

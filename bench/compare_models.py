@@ -6,6 +6,8 @@
     CACHE/engines/<variant>     engine build --dtype ... (ENGINE_VARIANTS)
     CACHE/ortgenai-<version>/<precision>   onnxruntime-genai's model builder on the HF dir, -e cpu, as
                                 /work/shared/anchors/build_ortgenai.sh did
+    CACHE/<gguf stem>.Q8_0.gguf  llama.cpp's own quantizer (llama_model_quantize, requantizing) on the Q4_1 GGUF:
+                                the int8 peer of the engine's int8_wo, the same weights on an 8-bit grid
 
 Engines are rebuilt when they no longer load (another engine or onnxruntime version), or when a source file of
 the toolchain (core, recipes, quantization, plugins, builder) is newer than the engine, so a rerun after a code
@@ -157,3 +159,30 @@ def ensure_ortgenai(cache: Path, hf_dir: Path, precision: str, version: str) -> 
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out
+
+
+_QUANTIZE_Q8_0 = """
+import ctypes, sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+p.allow_requantize = True
+p.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
+"""
+
+
+def llamacpp_q8_0(cache: Path, gguf: Path) -> Path:
+    """Where the Q8_0 GGUF of `gguf`'s weights is cached."""
+    return cache / f"{gguf.stem.rsplit('.', 1)[0]}.Q8_0.gguf"
+
+
+def ensure_gguf(cache: Path, gguf: Path, wanted: Path) -> Path:
+    """`wanted`, made first when it is llamacpp_q8_0(cache, gguf): by llama.cpp itself, in a process of its own
+    (the quantizer prints a line per tensor), into a temporary file renamed when complete."""
+    if wanted != llamacpp_q8_0(cache, gguf) or wanted.is_file():
+        return wanted
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = wanted.with_suffix(".tmp")
+    _run([sys.executable, "-c", _QUANTIZE_Q8_0, str(gguf), str(tmp)], cache / "llamacpp-quantize.log")
+    tmp.rename(wanted)
+    return wanted

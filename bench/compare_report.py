@@ -254,8 +254,10 @@ def markdown(result: dict) -> str:
             "cached in `.cache/bench`). The methodology is that of the anchor measurements "
             "(/work/shared/anchors: `bench_hf.py`, `bench_ortgenai.py`, `bench_llamacpp.py`, `bench_bandwidth.py`) and "
             "the token ids are theirs (`bench/prompt_ids.json`). llama.cpp runs only when llama-cpp-python is "
-            "installed; on Sapphire Rapids build it with AMX compiled out and set `LLAMA_CPP_LIB_PATH` (its AMX path "
-            "segfaults, llama.cpp issue 20824). The anchor table in /work/shared/anchors/README.md was measured on a "
+            "installed; on Sapphire Rapids build it with AMX compiled out (README.md; or set `LLAMA_CPP_LIB_PATH` to "
+            "such a build: its AMX path segfaults, llama.cpp issue 20824). Its rows: the shipped Q4_1 GGUF (whose tied "
+            "embedding, the lm_head, is Q8_0 in the file) and a Q8_0 made of it by llama.cpp's own quantizer (the "
+            "same weights on an 8-bit grid). The anchor table in /work/shared/anchors/README.md was measured on a "
             "Sapphire Rapids VM (AVX-512, AMX): where this machine's CPU differs, compare the ratios within one run, "
             "not figures across machines.", ""]
     return "\n".join(out)
