@@ -45,18 +45,6 @@ struct QuantKernel {
   bool offsets, swiglu;
 };
 
-struct SwigluRows {
-  const float* projection;
-  float* out;
-  int64_t width;  // N / 2
-};
-
-void swiglu_rows(void* opaque, size_t t) {
-  const auto& j = *static_cast<const SwigluRows*>(opaque);
-  const float* gate = j.projection + static_cast<int64_t>(t) * 2 * j.width;
-  swiglu_span(gate, gate + j.width, j.out + static_cast<int64_t>(t) * j.width, j.width);
-}
-
 // Row t of x -> its int8 values, scales and sums, one block at a time.
 void quantize_row(void* opaque, size_t t) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
@@ -164,8 +152,8 @@ void compute(void* opaque, OrtKernelContext* context) {
   parallel_for(kernel.api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
   if (!staged) return;
   SwigluRows rows{projection.data(), out, kernel.n / 2};
-  if (tokens == 1) swiglu_rows(&rows, 0);
-  else parallel_for(kernel.api, context, static_cast<size_t>(tokens), swiglu_rows, &rows);
+  if (tokens == 1) swiglu_row(&rows, 0);
+  else parallel_for(kernel.api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
 }
 
 // QuantGather: rows `ids` of the weight QuantMatMul's blocks hold, dequantized (a tied embedding reading the

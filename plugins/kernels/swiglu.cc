@@ -12,25 +12,13 @@ namespace {
 
 constexpr const char* kName = "SwiGLU";
 
-struct SwigluJob {
-  const float* x;
-  float* out;
-  int64_t inter;
-};
-
-void swiglu_row(void* opaque, size_t t) {
-  const auto& j = *static_cast<const SwigluJob*>(opaque);
-  const float* gate = j.x + static_cast<int64_t>(t) * 2 * j.inter;
-  swiglu_span(gate, gate + j.inter, j.out + static_cast<int64_t>(t) * j.inter, j.inter);
-}
-
 void compute(void* opaque, OrtKernelContext* context) {
   const Api& api = *static_cast<Api*>(opaque);
   const std::vector<Tensor> in = inputs(api, context, 1);
   const Tensor& x = in[0];
   require(x.shape.size() == 2 && x.shape[1] % 2 == 0, kName, "x must be [T, 2 * intermediate_size]");
-  SwigluJob job{static_cast<const float*>(x.data), nullptr, x.shape[1] / 2};
-  job.out = output<float>(api, context, 0, {x.shape[0], job.inter});
+  SwigluRows job{static_cast<const float*>(x.data), nullptr, x.shape[1] / 2};
+  job.out = output<float>(api, context, 0, {x.shape[0], job.width});
   parallel_for(api, context, static_cast<size_t>(x.shape[0]), swiglu_row, &job);
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "attention_math.h"
@@ -27,6 +28,19 @@ inline void swiglu_span(const float* gate, const float* up, float* y, int64_t co
     const float e = std::exp(-std::fabs(gate[i])), high = 1.0f / (1.0f + e);
     y[i] = gate[i] * (gate[i] < 0 ? e * high : high) * up[i];
   }
+}
+
+// A fused gate|up projection [T, 2 * width] -> out [T, width], one row a ParallelFor item (swiglu_row).
+struct SwigluRows {
+  const float* projection;
+  float* out;
+  int64_t width;
+};
+
+inline void swiglu_row(void* opaque, size_t t) {
+  const auto& j = *static_cast<const SwigluRows*>(opaque);
+  const float* gate = j.projection + static_cast<int64_t>(t) * 2 * j.width;
+  swiglu_span(gate, gate + j.width, j.out + static_cast<int64_t>(t) * j.width, j.width);
 }
 
 }  // namespace engine_kernels
