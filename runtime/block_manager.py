@@ -16,8 +16,12 @@ so equal hashes mean equal K/V (a token's K/V depend only on it and the tokens b
 when an allocation covers it fully (its K/V are written by the step that follows, before any later step reads
 them; a hit in the same step reads them after the step's in-graph write, see plugins/attention.py). Full blocks
 are shared by reference count; a block whose count drops to 0 keeps its hash and waits in an LRU of
-free-but-cached blocks, from which a later hit revives it. Allocation takes never-cached free blocks first and
-evicts the least recently freed cached block only when none is left. Blocks are only ever written by the
+free-but-cached blocks, from which a later hit revives it. Allocation takes never-cached free blocks first, the
+most recently freed of them first, and evicts the least recently freed cached block only when none is left.
+Most recently freed first because the pool's memory is mapped lazily: a block no request has written yet costs
+its page faults on first write (~3.5 ms a block of SmolLM2 at int4 on the 2-core VM, ~30% of a 512-token
+prefill when every request took fresh blocks; bench/NOTES.md entry 32), and a block freed a moment ago is
+resident and likely still in cache. Blocks are only ever written by the
 request that took them fresh: a hit covers whole blocks and stops at least one token short of the prompt.
 """
 from __future__ import annotations
@@ -55,7 +59,7 @@ class BlockPool:
         assert num_blocks > 0, num_blocks
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))          # free, holding nothing reusable
+        self._free: deque[int] = deque(range(num_blocks))          # free, holding nothing reusable; warmest first
         self._cached_free: OrderedDict[int, None] = OrderedDict()   # free but cached; least recently freed first
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
@@ -99,7 +103,8 @@ class BlockPool:
             self.ref_counts[b] += 1
 
     def decref(self, ids) -> None:
-        # Freed in reverse so a request's tail blocks are evicted first: the head is what later requests share.
+        # Freed in reverse so a request's tail blocks are evicted first: the head is what later requests share;
+        # and an uncached block goes to the front of the free list (appendleft, head last, so it is taken first).
         for b in reversed(list(ids)):
             assert self.ref_counts[b] > 0, f"block {b} freed twice"
             self.ref_counts[b] -= 1
@@ -107,7 +112,7 @@ class BlockPool:
                 if b in self._hash_of:
                     self._cached_free[b] = None
                 else:
-                    self._free.append(b)
+                    self._free.appendleft(b)
 
 
 class BlockManager:

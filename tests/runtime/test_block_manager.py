@@ -20,6 +20,20 @@ def test_allocate_grows_by_blocks_and_frees():
     bm.check_all_free()
 
 
+
+def test_freed_blocks_are_taken_again_before_untouched_ones():
+    """The pool's pages are mapped on first write: a request after a freed one reuses its (resident, cache-warm)
+    blocks, in the same order, instead of walking into never-written blocks."""
+    bm = BlockManager(num_blocks=8, tokens_per_block=4, enable_prefix_caching=False)
+    assert bm.allocate_slots("a", 12).block_ids == (0, 1, 2)
+    assert bm.allocate_slots("b", 4).block_ids == (3,)
+    bm.free("a")
+    assert bm.allocate_slots("c", 8).block_ids == (0, 1)
+    assert bm.allocate_slots("d", 12).block_ids == (2, 4, 5)   # the last freed one, then untouched blocks
+    for r in "bcd":
+        bm.free(r)
+    bm.check_all_free()
+
 def test_reference_counts_on_fork():
     bm = BlockManager(num_blocks=3, tokens_per_block=2)
     bm.allocate_slots("parent", 4)
