@@ -41,7 +41,7 @@ enum Slot : int {
 };
 
 // ONNXTensorElementDataType values.
-enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7, kBool = 9, kFloat16 = 10 };
+enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kUint16 = 4, kInt64 = 7, kBool = 9, kFloat16 = 10 };
 
 struct OrtApiBase {
   const void* (*GetApi)(uint32_t version);
@@ -213,6 +213,7 @@ std::vector<CustomOp*> block_offsets_ops();
 std::vector<CustomOp*> e4m3_encode_ops();
 std::vector<CustomOp*> swiglu_ops();
 std::vector<CustomOp*> quant_matmul_ops();
+std::vector<CustomOp*> bf16_matmul_ops();
 std::vector<CustomOp*> add_rms_norm_ops();
 
 }  // namespace engine_kernels

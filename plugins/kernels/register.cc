@@ -24,6 +24,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   for (CustomOp* op : k::e4m3_encode_ops()) ops.push_back(op);
   for (CustomOp* op : k::swiglu_ops()) ops.push_back(op);
   for (CustomOp* op : k::quant_matmul_ops()) ops.push_back(op);
+  for (CustomOp* op : k::bf16_matmul_ops()) ops.push_back(op);
   for (CustomOp* op : k::add_rms_norm_ops()) ops.push_back(op);
   for (CustomOp* op : ops)
     if (OrtStatus* st = reinterpret_cast<AddOp>(t[k::kCustomOpDomainAdd])(domain, op)) return st;
