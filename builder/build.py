@@ -104,7 +104,7 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
     elif quant is not None and quant.mode is not None:   # weight-only, or int4_awq keeping the checkpoint's blocks
         bits = 4 if quant.source_grid else BITS[quant.mode]
         head = (f"int{bits}" + (" with AWQ" if quant.mode == "int4_awq" else "")) if quant.quantize_lm_head \
-            else "float32"
+            else quant.lm_head_dtype
         tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
         how = ("kept as the checkpoint's 4-bit blocks (GGUF Q4_1), float16 scales, float32 offsets"
                if quant.source_grid
@@ -117,6 +117,11 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
             "activations": "float32" if quant.accuracy_level in (0, 1) else _rounded_activations(quant, plugins)})
     if build.backend == "tensorrt" and quant is not None and quant.mode is not None:
         precision.update(trtq.tensorrt_precision(quant.mode))
+    if quant is not None and quant.lm_head_dtype == "bfloat16":
+        tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
+        precision["lm_head"] = ("bfloat16 weights (the engine's Bf16MatMul), its input rounded to bfloat16, "
+                                "products summed in float32" + ("; the tied embedding reads the same table"
+                                                                 if tied else ""))
     return precision
 
 
@@ -151,13 +156,14 @@ def _layers_on_block_grid(ckpt_dir: Path, ckpt: CheckpointConfig) -> bool:
 
 
 def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig, tp: int,
-                  backend: str = "onnxruntime") -> QuantConfig:
+                  backend: str = "onnxruntime", kernels: bool = True) -> QuantConfig:
     """The requested QuantConfig with its defaults filled in (quantization.modes.resolve; on TensorRT first
     tensorrt_quant.tensorrt_quant). int4_wo and int4_awq at group 32 (asked for, or no group asked for) keep a
     checkpoint's 4-bit blocks when every layer holds them: they are exact, and neither RTN nor AWQ's scale search
     can come closer to the checkpoint than exact; int4_awq then calibrates lm_head only (with quantize_lm_head)."""
     if backend == "tensorrt":
         requested = trtq.tensorrt_quant(requested, ckpt.model, tp)
+    requested = modes.resolve_lm_head_dtype(requested, ckpt.model, backend=backend, kernels=kernels)
     quant = modes.resolve(requested, ckpt.model, tp)
     if quant.mode not in GRID_MODES or requested.group_size not in (None, GRID_GROUP) or quant.source_grid:
         return quant
@@ -333,7 +339,8 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         raise EngineError(f"checkpoint {ckpt_dir} is quantized ({ckpt.quantization.mode}); engines are quantized at "
                           "build from a float checkpoint: convert without quantization and pass --dtype "
                           f"{ckpt.quantization.mode} to `engine build`")
-    quant = resolve_quant(quant or QuantConfig(), ckpt_dir, ckpt, build.tp_size, build.backend)
+    quant = resolve_quant(quant or QuantConfig(), ckpt_dir, ckpt, build.tp_size, build.backend,
+                          plugins.engine_kernels_plugin)
     accuracy = accuracy or AccuracyOptions()
     config = EngineConfig(
         model=ckpt.model, build=build, build_flags=dict(build_flags or {}), plugins=plugins,
@@ -377,11 +384,14 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         copy_tokenizer_files(ckpt_dir, tmp)
         # last: the manifest lists every other file (the accuracy report below changes config.json only)
         config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)
-        scored = quant.mode is not None or build.kv_cache_dtype != "float32"   # against float weights and KV
+        # scored against float32 weights, lm_head and KV
+        scored = quant.mode is not None or build.kv_cache_dtype != "float32" or quant.lm_head_dtype != "float32"
         if scored and accuracy.eval_tokens and build.backend == "onnxruntime":
             report = reference.accuracy_report(tmp, accuracy, ckpt.generation.bos_token_id)
             config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
             save_config(tmp, config)
-            check_gate(report, accuracy, quant.mode or f"--kv-cache-dtype {build.kv_cache_dtype}")
+            check_gate(report, accuracy, quant.mode or (f"--kv-cache-dtype {build.kv_cache_dtype}"
+                                                        if build.kv_cache_dtype != "float32"
+                                                        else f"--lm-head-dtype {quant.lm_head_dtype}"))
     return config
 

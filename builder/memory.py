@@ -4,7 +4,8 @@
                           rotary tables, and weight-only quantized projections as packed integers plus one
                           float32 scale per group (a tied embedding quantized with lm_head is stored once,
                           plus a second copy of its scales that the gather reads), or as the engine's
-                          QuantMatMul packs them when the build runs them so (`plugins`)
+                          QuantMatMul packs them when the build runs them so (`plugins`); lm_head_dtype
+                          bfloat16: lm_head (a tied embedding at tp 1) as Bf16MatMul's bfloat16 tiles
     KV per token          layers x (K + V) x kv_heads_per_rank x head_dim x kv dtype bytes (float32 4, int8 1;
                           the int8 scales are weights: 2 x kv_size float32 per layer, counted with them)
     activations (peak)    one step at max_num_tokens: the widest per-token tensors alive at once, plus the
@@ -21,7 +22,7 @@ from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, MemoryPlan, PluginConfig
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
-from engine.plugins import quant_matmul
+from engine.plugins import bf16_matmul, quant_matmul
 from engine.quantization import calibrated, kv_cache
 from engine.quantization.weight_only import BITS, stored_bytes
 
@@ -49,6 +50,24 @@ def runs_quant_matmul(quant: QuantConfig, plugins: PluginConfig | None) -> bool:
 def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None,
                       plugins: PluginConfig | None = None) -> int:
     """Bytes of one rank's initializers as stored (see the module docstring)."""
+    return _float_head_bytes(model, tp, max_seq_len, quant, plugins) - _bf16_head_saving(model, tp, quant)
+
+
+def _bf16_head_saving(model: ModelConfig, tp: int, quant: QuantConfig | None) -> int:
+    """With lm_head_dtype bfloat16: the float32 lm_head table's bytes less its Bf16MatMul tiles' (a tied embedding
+    at tp 1 is that table)."""
+    if quant is None or quant.lm_head_dtype != "bfloat16":
+        return 0
+    shapes = logical_shapes(model)
+    tied = model.tie_word_embeddings
+    name = "vocab_embedding.weight" if tied and tp == 1 else "lm_head.weight"
+    n, k = rank_shape(name, shapes.get(name, shapes["vocab_embedding.weight"]), model, tp)
+    return n * k * DTYPE_BYTES["float32"] - bf16_matmul.stored_bytes(n, k)
+
+
+def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None,
+                      plugins: PluginConfig | None) -> int:
+    """rank_weight_bytes with lm_head (unless quantized) in float32."""
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
         return rank_weight_elements(model, tp, max_seq_len) * compute

@@ -31,7 +31,8 @@ gate_up / gate + up, down) is quantized at build (RTN, or kept as the checkpoint
 them: quantization/weight_only.py) and lowered by
 plugins/linear.py; the gated MLP is then composed here from those projections, since plugins/gated_mlp.py takes
 float weights. Embeddings and lm_head stay float32 unless quantize_lm_head; a tied embedding then shares the
-lm_head's packed table (GatherBlockQuantized + MatMulNBits over one initializer).
+lm_head's packed table (GatherBlockQuantized + MatMulNBits over one initializer). With lm_head_dtype bfloat16
+lm_head is the engine's Bf16MatMul, and a tied embedding its Bf16Gather over the same table (plugins/bf16_matmul.py).
 
 Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's quantized projections laid over the
 checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py (int4_awq layers that
@@ -58,6 +59,7 @@ from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
+from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
 from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp
 from engine.plugins.linear import linear, quantized_gather, quantized_linear
@@ -91,6 +93,7 @@ class _Builder:
                        if quant.mode in BITS or quant.source_grid else None)
         # lm_head and the embedding are never on the layers' grid (a GGUF keeps them finer): RTN
         self.head_scheme = dataclasses.replace(self.scheme, keep_grid=False) if self.scheme else None
+        self.bf16_head = quant.lm_head_dtype == "bfloat16"   # lm_head (and a tied embedding) as Bf16MatMul's table
         self.g = Graph()
         self.heads = model.num_heads // tp
         self.kv_heads = kv_heads_per_rank(model, tp)
@@ -314,6 +317,9 @@ class _Builder:
                                       weight_name="vocab_embedding.weight",
                                       plugin=self.p.weight_only_quant_matmul_plugin,
                                       kernel=self.p.engine_kernels_plugin, accuracy_level=self.scheme.accuracy_level)
+        elif tied and self.bf16_head:   # the embedding reads lm_head's bfloat16 table (stored once)
+            hidden = bf16_gather(g, embedding, ec.INPUT_IDS, name="/model/embed_tokens",
+                                 weight_name="vocab_embedding.weight")
         else:
             hidden = g.node("Gather", [g.weight("vocab_embedding.weight", embedding), ec.INPUT_IDS],
                             name="/model/embed_tokens/Gather", axis=0)
@@ -337,6 +343,9 @@ class _Builder:
                                       weight_name="vocab_embedding.weight", accuracy_level=self.scheme.accuracy_level,
                                       plugin=self.p.weight_only_quant_matmul_plugin, shared=True,
                                       kernel=self.p.engine_kernels_plugin)
+        elif tied and self.bf16_head:
+            logits = bf16_linear(g, normed, None, name="/lm_head", weight_name="vocab_embedding.weight",
+                                 n=m.vocab_size)
         elif tied:
             # Gemm reads the embedding [V, H] transposed in place: the tied weight is stored once, not twice.
             logits = g.node("Gemm", [normed, "vocab_embedding.weight"], name="/lm_head/Gemm", transB=1)
@@ -347,6 +356,9 @@ class _Builder:
                                        kernel=self.p.engine_kernels_plugin)
         elif self.calibrated and self.q.quantize_lm_head:
             logits = self.proj(normed, "lm_head.weight", "/lm_head")
+        elif self.bf16_head:
+            head = self.take("lm_head.weight")
+            logits = bf16_linear(g, normed, head, name="/lm_head", weight_name="lm_head.weight", n=head.shape[0])
         else:
             logits = linear(g, normed, self.take("lm_head.weight"), None, name="/lm_head",
                             weight_name="lm_head.weight", scheme=lm_scheme,

@@ -56,6 +56,11 @@ def build_command(
                                              "features).", show_default="int4_wo 32; int8_wo the largest that fits"),
     quantize_lm_head: bool = typer.Option(False, "--quantize-lm-head", help="Also quantize lm_head (and a tied "
                                           "embedding, which shares its table); by default both stay float32."),
+    lm_head_dtype: str = typer.Option("auto", "--lm-head-dtype", help="float32, or bfloat16: lm_head (and a tied "
+                                      "embedding) stored in bfloat16 and run by the engine's Bf16MatMul, half the "
+                                      "bytes a decode step reads for it (onnxruntime, a CPU with AVX-512 BF16; not "
+                                      "with --quantize-lm-head). auto: bfloat16 for a quantized --dtype where it "
+                                      "runs, else float32."),
     quant_accuracy_level: Optional[int] = typer.Option(None, "--quant-accuracy-level", help="MatMulNBits "
                                                        "accuracy_level: 0 float32 compute (true weight-only), 4 int8 "
                                                        "activations per block (fast).", show_default="4"),
@@ -138,9 +143,10 @@ def build_command(
                                                 weight_only_quant_matmul_plugin))
     compute_dtype, mode = modes.split_dtype(dtype)
     kv_quantized = kv_cache_dtype in KV_QUANTIZED   # calibrated and scored like a quantized --dtype
-    kv_scored = kv_cache_dtype != "float32"        # float16: scored, not calibrated
+    # scored against float32 like a quantized --dtype (a float16 KV cache: scored, not calibrated)
+    scored = kv_cache_dtype != "float32" or lm_head_dtype == "bfloat16"
     if mode is None and (group_size is not None or quantize_lm_head or quant_accuracy_level is not None
-                         or (not kv_scored and (max_ppl_increase is not None or eval_data is not None))):
+                         or (not scored and (max_ppl_increase is not None or eval_data is not None))):
         raise EngineError(f"--group-size, --quantize-lm-head, --quant-accuracy-level, --eval-data and "
                           f"--max-ppl-increase apply to quantized builds; --dtype {dtype} is not one: pass "
                           f"--dtype {' or '.join(modes.IMPLEMENTED)}", usage=True)
@@ -177,14 +183,16 @@ def build_command(
         tp_size=tp if tp is not None else ckpt.mapping.tp_size, opt_level=opt_level)
     check_build_config(ckpt.model, build)
     requested = QuantConfig(mode=mode, group_size=group_size, quantize_lm_head=quantize_lm_head,
-                            accuracy_level=quant_accuracy_level)
+                            accuracy_level=quant_accuracy_level, lm_head_dtype=lm_head_dtype)
     modes.resolve(requested, ckpt.model, build.tp_size)   # bad flags fail here, before anything is read
+    modes.resolve_lm_head_dtype(requested, ckpt.model, backend=backend, kernels=plugins.engine_kernels_plugin)
     console = Console()
     if dry_run:
         table = Table(title=f"memory plan of {ckpt.model.architecture}, tp {build.tp_size} (dry run: nothing built)")
         table.add_column("item")
         table.add_column("size", justify="right")
-        quant = resolve_quant(requested, checkpoint_dir, ckpt, build.tp_size, build.backend)
+        quant = resolve_quant(requested, checkpoint_dir, ckpt, build.tp_size, build.backend,
+                              plugins.engine_kernels_plugin)
         rows = plan_rows(memory_plan(ckpt.model, build, quant, plugins), build)
         if as_json:
             print_json("build", {"dry_run": True, "build": build, "memory_plan": dict(rows)})

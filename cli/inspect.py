@@ -81,6 +81,7 @@ def inspect_command(
     q = config.quantization
     if q.mode is not None or q.kv_cache:
         rows = [("mode", q.mode), ("group size", q.group_size), ("lm_head quantized", q.quantize_lm_head),
+                ("lm_head dtype", q.lm_head_dtype),
                 ("MatMulNBits accuracy_level", q.accuracy_level)] if q.mode is not None else []
         rows += [(f"calibration: {k}", v) for k, v in q.calibration.items()]
         rows += [(f"KV cache: {k}", v) for k, v in q.kv_cache.items() if k not in ("k_scale", "v_scale")]

@@ -105,7 +105,8 @@ class QuantConfig:
     records the data of ModelOpt-calibrated modes (quantization/calibrate.py). `kv_cache_dtype` mirrors BuildConfig's
 when the KV cache is quantized, and `kv_cache` records its scales. `source_grid`: int4_wo / int4_awq found every
 projection of the checkpoint already on 4-bit blocks of 32 (a GGUF Q4_1 source) and kept them exactly instead of RTN
-or AWQ (quantization/weight_only.block_grid)."""
+or AWQ (quantization/weight_only.block_grid). `lm_head_dtype` bfloat16 stores lm_head (and a tied embedding) in
+bfloat16 for the engine's Bf16MatMul instead of float32 (not with quantize_lm_head)."""
     mode: str | None = None
     kv_cache_dtype: str | None = None
     group_size: int | None = None
@@ -115,6 +116,7 @@ or AWQ (quantization/weight_only.block_grid)."""
     calibration: dict = field(default_factory=dict)  # calibrated modes: the calibration data used
     kv_cache: dict = field(default_factory=dict)  # int8 KV cache: its calibrated scales (quantization/kv_cache.py)
     source_grid: bool = False
+    lm_head_dtype: str = "float32"
 
 
 @dataclass(frozen=True)

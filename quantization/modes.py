@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from engine.core.config import DTYPES, ModelConfig, QuantConfig, parse_dtype
 from engine.core.errors import EngineError
+from engine.plugins import bf16_matmul
 
 from .calibrated import CALIBRATED
 from .weight_only import BITS, GROUP_SIZES, check_group_size
@@ -52,6 +53,7 @@ INT8_WO_MAX_GROUP_SIZE = 32
 AWQ_MAX_GROUP_SIZE = 128  # ModelOpt's INT4_AWQ_CFG block size
 ACCURACY_LEVELS = (0, 1, 4)
 DEFAULT_ACCURACY_LEVEL = 4
+LM_HEAD_DTYPES = ("float32", "bfloat16")
 
 
 def split_dtype(name: str) -> tuple[str, str | None]:
@@ -131,3 +133,39 @@ def _resolve_calibrated(quant: QuantConfig, model: ModelConfig, tp: int) -> Quan
     for what, k in ks.items():
         check_group_size(group, k, what)
     return replace(quant, group_size=group, accuracy_level=level)
+
+
+
+def resolve_lm_head_dtype(quant: QuantConfig, model: ModelConfig, *, backend: str, kernels: bool) -> QuantConfig:
+    """--lm-head-dtype: float32, or bfloat16 as the engine's Bf16MatMul (plugins/bf16_matmul.py), which needs the
+    engine's kernels on onnxruntime, lm_head's in features in whole chunks of 32 and a CPU with AVX-512 BF16; auto
+    (the CLI's default) is bfloat16 for a quantized --dtype where it runs, else float32. A quantized build's
+    projections are already rounded, and a float32 lm_head was its largest read at a decode step (SmolLM2 int8_wo:
+    113 of ~230 MB a token); bfloat16 halves it at no measured accuracy cost (bench/NOTES.md entry 32), as
+    TensorRT-LLM keeps lm_head in the checkpoint's 16-bit dtype."""
+    dtype = quant.lm_head_dtype
+    if dtype == "auto":
+        runs = (quant.mode is not None and not quant.quantize_lm_head and backend == "onnxruntime" and kernels
+                and bf16_matmul.supported(model.hidden_size))
+        return replace(quant, lm_head_dtype="bfloat16" if runs else "float32")
+    if dtype not in LM_HEAD_DTYPES:
+        raise EngineError(f"--lm-head-dtype {dtype!r} is not one of auto, {', '.join(LM_HEAD_DTYPES)}", usage=True)
+    if dtype == "float32":
+        return quant
+    flag = f"--lm-head-dtype {dtype}"
+    if quant.quantize_lm_head:
+        raise EngineError(f"{flag} and --quantize-lm-head both set lm_head's precision; pass one of them",
+                          usage=True)
+    if backend != "onnxruntime":
+        raise EngineError(f"{flag} is the engine's own onnxruntime kernel (Bf16MatMul); this build's backend is "
+                          f"{backend}: build with --backend onnxruntime, or leave it out", usage=True)
+    if not kernels:
+        raise EngineError(f"{flag} runs as one of the engine's own kernels; it needs --engine-kernels-plugin enable",
+                          usage=True)
+    if model.hidden_size % bf16_matmul.CHUNK:
+        raise EngineError(f"{flag} needs lm_head's in features (hidden_size {model.hidden_size}) to be a multiple "
+                          f"of {bf16_matmul.CHUNK}; keep lm_head float32 for this model", usage=True)
+    if not bf16_matmul.supported(model.hidden_size):
+        raise EngineError(f"{flag}: this CPU has no AVX-512 BF16 dot products (flags: avx512_bf16, avx512bw), "
+                          "which the kernel is written for; keep lm_head float32 here", usage=True)
+    return quant
