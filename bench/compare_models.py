@@ -28,8 +28,10 @@ TOOLCHAIN_DIRS = ("core", "recipes", "quantization", "plugins", "builder")
 # name -> (engine build flags, what the weights are)
 ENGINE_VARIANTS: dict[str, tuple[list[str], str]] = {
     "fp32": (["--dtype", "float32"], "float32"),
-    "int8": (["--dtype", "int8_wo"], "int8_wo g32 (lm_head fp32)"),
-    "int4": (["--dtype", "int4_wo"], "int4_wo g32, Q4_1 blocks kept (lm_head fp32)"),
+    "int8": (["--dtype", "int8_wo"], "int8_wo g32 (lm_head bf16, the default)"),
+    "int4": (["--dtype", "int4_wo"], "int4_wo g32, Q4_1 blocks kept (lm_head bf16, the default)"),
+    "int8-lm32": (["--dtype", "int8_wo", "--lm-head-dtype", "float32"], "int8_wo g32, lm_head fp32"),
+    "int4-lm32": (["--dtype", "int4_wo", "--lm-head-dtype", "float32"], "int4_wo g32, Q4_1 blocks kept, lm_head fp32"),
     "int8-lmq": (["--dtype", "int8_wo", "--quantize-lm-head"], "int8_wo + lm_head int8"),
     "int4-lmq": (["--dtype", "int4_wo", "--quantize-lm-head"], "int4_wo g32, Q4_1 blocks kept + lm_head int4 (RTN)"),
     "int8-lmq-kv8": (["--dtype", "int8_wo", "--quantize-lm-head", "--kv-cache-dtype", "int8"],
