@@ -71,8 +71,8 @@ def goals(result: dict) -> list[dict]:
         peer = f"ortgenai-{bits}"
         out += [ratio_goal(result, f"decode b=1: engine {bits} (default build: lm_head bf16) vs onnxruntime-genai "
                            f"{bits}", f"engine-{bits}", peer, "decode_tok_s", target),
-                ratio_goal(result, f"  same, lm_head fp32 (--lm-head-dtype float32)", f"engine-{bits}-lm32", peer,
-                           "decode_tok_s", target),
+                ratio_goal(result, f"  same, engine {bits} with lm_head fp32 (--lm-head-dtype float32)",
+                           f"engine-{bits}-lm32", peer, "decode_tok_s", target),
                 ratio_goal(result, f"  same, engine {bits} with lm_head {bits} too (like-for-like)",
                            f"engine-{bits}-lmq", peer, "decode_tok_s", target),
                 ratio_goal(result, f"  same, lm_head {bits} and KV cache float16 (onnxruntime-genai's KV: float32)",

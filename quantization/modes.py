@@ -135,7 +135,6 @@ def _resolve_calibrated(quant: QuantConfig, model: ModelConfig, tp: int) -> Quan
     return replace(quant, group_size=group, accuracy_level=level)
 
 
-
 def resolve_lm_head_dtype(quant: QuantConfig, model: ModelConfig, *, backend: str, kernels: bool) -> QuantConfig:
     """--lm-head-dtype: float32, or bfloat16 as the engine's Bf16MatMul (plugins/bf16_matmul.py), which needs the
     engine's kernels on onnxruntime, lm_head's in features in whole chunks of 32 and a CPU with AVX-512 BF16; auto

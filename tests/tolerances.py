@@ -9,6 +9,10 @@ import numpy as np
 
 TOLERANCES = {
     "float32": {"logits_atol": 1e-3},
+    # lm_head in bfloat16 (--lm-head-dtype bfloat16, its input rounded to bfloat16), between two engine runs that
+    # differ in float32 summation order (tp=N vs tp=1): one input element rounded the other way moves a logit by
+    # |w| * 2^-8 * |x| (tiny models: ~1e-3, measured 1.7e-3 at most)
+    "bfloat16_lm_head": {"logits_atol": 5e-3},
 }
 
 

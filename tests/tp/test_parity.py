@@ -3,12 +3,17 @@ model: 4 heads and 2 KV heads (1 for the MQA variant), so tp=4 replicates KV hea
 worker ranks as subprocesses (gloo on this CPU). Also: the whole runtime (scheduler, sampler) over a tp=2 engine."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from engine.builder.build import build_engine
+from engine.core.config import QuantConfig
+from engine.plugins import bf16_matmul
 from engine.runtime import LLM, SamplingParams
 from engine.runtime.session import EngineSession
 from engine.runtime.tp.session import TPSession
-from tests.builder.engines import prompts
+from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, prompts
 from tests.tiny_models import TINY_CONFIGS
 from tests.tp.parity import check_same_as_tp1
 
@@ -41,3 +46,21 @@ def test_llm_over_tp2_engine_generates_what_tp1_does(tiny):
         llm.check_all_free()
     finally:
         llm.session.close()
+
+
+@pytest.mark.skipif(not bf16_matmul.supported(64), reason="this CPU has no AVX-512 BF16 dot products")
+def test_bfloat16_lm_head_over_tp2_matches_tp1(tiny, tmp_path):
+    """--lm-head-dtype bfloat16 on a tied model: tp=1 reads one table for the embedding and lm_head, each tp=2 rank
+    its vocabulary shard of lm_head (the embedding stays float32 there); the same logits and greedy tokens."""
+    key = "LlamaForCausalLM:llama3-rope-tied"
+    engines = {}
+    for tp in (1, 2):
+        engines[tp] = tmp_path / f"tp{tp}"
+        build_engine(tiny.checkpoint(key), engines[tp], dataclasses.replace(TEST_BUILD, tp_size=tp), ALL_PLUGINS,
+                     quant=QuantConfig(lm_head_dtype="bfloat16"))
+    session = TPSession(engines[2], num_blocks=64)
+    try:
+        check_same_as_tp1(EngineSession(engines[1], num_blocks=64), session, prompts(3, (5, 13, 30), seed=4),
+                          steps=6, what=f"{key} bfloat16 lm_head tp=2", dtype="bfloat16_lm_head")
+    finally:
+        session.close()
