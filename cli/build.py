@@ -40,12 +40,13 @@ def build_command(
                                        "sequences together (tokens); longer prompts are prefilled in chunks."),
     tokens_per_block: int = typer.Option(32, "--tokens-per-block", help="Tokens per KV-cache block (tokens, a "
                                          "power of two)."),
-    kv_cache_dtype: str = typer.Option("float32", "--kv-cache-dtype", help="KV-cache dtype: float32; float16 (2 "
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV-cache dtype: float32; float16 (2 "
                                        "bytes per element: 2x the tokens in the same memory, half the bytes a "
                                        "decode step reads, no calibration); int8 or fp8 (1 byte per element, 4x "
                                        "the tokens; per-KV-head scales calibrated at build from --calib-data or "
                                        "sampled text; fp8 is e4m3, emulated on the CPU: int8 is more precise and "
-                                       "faster there)."),
+                                       "faster there). auto: float16 for a quantized --dtype on onnxruntime, else "
+                                       "float32."),
     dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32; float16/bfloat16 are accepted and "
                               "computed in float32 on ONNX Runtime CPU (see `engine inspect`). Quantized modes "
                               "(TensorRT-LLM names): int8_wo, int4_wo (weight-only RTN, quantized at build); "
@@ -129,7 +130,7 @@ def build_command(
     from engine.quantization import modes
     from engine.quantization.accuracy import AccuracyOptions
     from engine.quantization.calibrate import CalibrationOptions
-    from engine.quantization.kv_cache import KV_CALIBRATION, QUANTIZED as KV_QUANTIZED
+    from engine.quantization.kv_cache import KV_CALIBRATION, QUANTIZED as KV_QUANTIZED, resolve_kv_cache_dtype
 
     if workers < 1:
         raise EngineError(f"--workers {workers} must be at least 1", usage=True)
@@ -143,8 +144,9 @@ def build_command(
                                                 weight_only_quant_matmul_plugin))
     compute_dtype, mode = modes.split_dtype(dtype)
     kv_quantized = kv_cache_dtype in KV_QUANTIZED   # calibrated and scored like a quantized --dtype
-    # scored against float32 like a quantized --dtype (a float16 KV cache: scored, not calibrated)
-    scored = kv_cache_dtype != "float32" or lm_head_dtype == "bfloat16"
+    # scored against float32 like a quantized --dtype (a float16 KV cache: scored, not calibrated); auto is float32
+    # where no --dtype mode is given
+    scored = kv_cache_dtype not in ("float32", "auto") or lm_head_dtype == "bfloat16"
     if mode is None and (group_size is not None or quantize_lm_head or quant_accuracy_level is not None
                          or (not scored and (max_ppl_increase is not None or eval_data is not None))):
         raise EngineError(f"--group-size, --quantize-lm-head, --quant-accuracy-level, --eval-data and "
@@ -165,7 +167,8 @@ def build_command(
     if eval_data is not None and not eval_data.is_file():
         raise EngineError(f"--eval-data {eval_data} is not a file; pass a UTF-8 text file", usage=True)
     accuracy = AccuracyOptions(eval_data=eval_data, max_ppl_increase=max_ppl_increase, eval_tokens=eval_tokens)
-    backend = resolve_backend(backend, mode, kv_cache_dtype)
+    backend = resolve_backend(backend, mode, "float32" if kv_cache_dtype == "auto" else kv_cache_dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, mode, backend)
     from engine.builder.tensorrt_backend import TensorRTOptions, check_options, parse_size
     trt = TensorRTOptions(workspace_size=parse_size(workspace_size) if workspace_size is not None else None,
                           input_timing_cache=input_timing_cache, output_timing_cache=output_timing_cache)

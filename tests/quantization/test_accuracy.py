@@ -119,8 +119,9 @@ def test_build_and_inspect_commands(tiny, tmp_path, monkeypatch, capsys):
                          "--output-dir", str(out_dir), "--dtype", "int4_wo", "--group-size", "16",
                          "--quantize-lm-head", "--eval-tokens", "64", "--max-seq-len", "64")
     assert code == 0, err
-    assert "accuracy (int4_wo): perplexity" in out
+    assert "accuracy (int4_wo + float16 KV cache): perplexity" in out   # float16: a quantized build's default
     config = load_engine_config(out_dir)
+    assert config.build.kv_cache_dtype == "float16"
     assert (config.quantization.group_size, config.quantization.quantize_lm_head) == (16, True)
     assert config.build.dtype == "float32" and "int4 weight-only" in config.precision["weights"]
     code, out, err = cli(monkeypatch, capsys, "inspect", "--engine-dir", str(out_dir))

@@ -252,7 +252,7 @@ def test_build_and_inspect_commands(tiny, tmp_path, monkeypatch, capsys):
                          "--calib-size", "4", "--calib-max-seq-len", "16", "--eval-tokens", "64",
                          "--max-seq-len", "64")
     assert code == 0, err
-    assert "accuracy (fp8): perplexity" in out
+    assert "accuracy (fp8 + float16 KV cache): perplexity" in out   # float16: a quantized build's default
     config = load_engine_config(out_dir)
     assert config.quantization.calibration["data"] == f"file {calib}"
     assert config.quantization.calibration["sequences"] == 4 and config.quantization.calibration["max_seq_len"] == 16

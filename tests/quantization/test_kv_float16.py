@@ -168,3 +168,27 @@ def test_cli_build_scores_and_runs(tiny, tmp_path):
                                  "The capital of France", "--max-output-len", "8"],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_auto_is_float16_for_quantized_builds_on_onnxruntime():
+    from engine.quantization.kv_cache import resolve_kv_cache_dtype
+    assert resolve_kv_cache_dtype("auto", "int8_wo", "onnxruntime") == "float16"
+    assert resolve_kv_cache_dtype("auto", None, "onnxruntime") == "float32"       # a float32 build
+    assert resolve_kv_cache_dtype("auto", "int4_awq", "tensorrt") == "float32"    # float pools only there
+    assert resolve_kv_cache_dtype("int8", None, "onnxruntime") == "int8"          # asked for: as it is
+
+
+def test_cli_defaults_of_a_quantized_build(tiny, tmp_path):
+    """`engine build --dtype int4_wo` with no KV or lm_head flag: float16 pools, and a bfloat16 lm_head where the
+    CPU runs it; `--dtype float32` keeps both float32."""
+    from engine.plugins import bf16_matmul
+    for dtype, kv, head in (("int4_wo", "float16", "bfloat16" if bf16_matmul.supported(64) else "float32"),
+                            ("float32", "float32", "float32")):
+        out = tmp_path / dtype
+        r = subprocess.run(ENGINE + ["build", "--checkpoint-dir", str(tiny.checkpoint("LlamaForCausalLM")),
+                                     "--output-dir", str(out), "--dtype", dtype, "--max-seq-len", "128",
+                                     "--eval-tokens", "0", "--no-progress"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        config = load_engine_config(out)
+        assert (config.build.kv_cache_dtype, config.quantization.lm_head_dtype) == (kv, head)
