@@ -99,13 +99,13 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
             "stored and computed in float32")
     precision = {"checkpoint": ckpt.dtype, "weights": "float32", "activations": "float32",
                  "kv_cache": build.kv_cache_dtype, "logits": "float32", **({"note": note} if note else {})}
+    tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
     if quant is not None and quant.mode in calib.CALIBRATED and not quant.source_grid:
         precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head))
     elif quant is not None and quant.mode is not None:   # weight-only, or int4_awq keeping the checkpoint's blocks
         bits = 4 if quant.source_grid else BITS[quant.mode]
         head = (f"int{bits}" + (" with AWQ" if quant.mode == "int4_awq" else "")) if quant.quantize_lm_head \
             else quant.lm_head_dtype
-        tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
         how = ("kept as the checkpoint's 4-bit blocks (GGUF Q4_1), float16 scales, float32 offsets"
                if quant.source_grid
                else "RTN, float32 scales") + ("; exact, so AWQ's search is not run on them"
@@ -118,7 +118,6 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
     if build.backend == "tensorrt" and quant is not None and quant.mode is not None:
         precision.update(trtq.tensorrt_precision(quant.mode))
     if quant is not None and quant.lm_head_dtype == "bfloat16":
-        tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
         precision["lm_head"] = ("bfloat16 weights (the engine's Bf16MatMul), its input rounded to bfloat16, "
                                 "products summed in float32" + ("; the tied embedding reads the same table"
                                                                  if tied else ""))

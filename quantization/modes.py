@@ -144,27 +144,30 @@ def resolve_lm_head_dtype(quant: QuantConfig, model: ModelConfig, *, backend: st
     TensorRT-LLM keeps lm_head in the checkpoint's 16-bit dtype."""
     dtype = quant.lm_head_dtype
     if dtype == "auto":
-        runs = (quant.mode is not None and not quant.quantize_lm_head and backend == "onnxruntime" and kernels
-                and bf16_matmul.supported(model.hidden_size))
+        runs = quant.mode is not None and _bf16_head_blocker(quant, model, backend, kernels) is None
         return replace(quant, lm_head_dtype="bfloat16" if runs else "float32")
     if dtype not in LM_HEAD_DTYPES:
         raise EngineError(f"--lm-head-dtype {dtype!r} is not one of auto, {', '.join(LM_HEAD_DTYPES)}", usage=True)
-    if dtype == "float32":
-        return quant
-    flag = f"--lm-head-dtype {dtype}"
-    if quant.quantize_lm_head:
-        raise EngineError(f"{flag} and --quantize-lm-head both set lm_head's precision; pass one of them",
-                          usage=True)
-    if backend != "onnxruntime":
-        raise EngineError(f"{flag} is the engine's own onnxruntime kernel (Bf16MatMul); this build's backend is "
-                          f"{backend}: build with --backend onnxruntime, or leave it out", usage=True)
-    if not kernels:
-        raise EngineError(f"{flag} runs as one of the engine's own kernels; it needs --engine-kernels-plugin enable",
-                          usage=True)
-    if model.hidden_size % bf16_matmul.CHUNK:
-        raise EngineError(f"{flag} needs lm_head's in features (hidden_size {model.hidden_size}) to be a multiple "
-                          f"of {bf16_matmul.CHUNK}; keep lm_head float32 for this model", usage=True)
-    if not bf16_matmul.supported(model.hidden_size):
-        raise EngineError(f"{flag}: this CPU has no AVX-512 BF16 dot products (flags: avx512_bf16, avx512bw), "
-                          "which the kernel is written for; keep lm_head float32 here", usage=True)
+    blocker = _bf16_head_blocker(quant, model, backend, kernels) if dtype == "bfloat16" else None
+    if blocker is not None:
+        raise EngineError(f"--lm-head-dtype {dtype}{blocker}", usage=True)
     return quant
+
+
+def _bf16_head_blocker(quant: QuantConfig, model: ModelConfig, backend: str, kernels: bool) -> str | None:
+    """Why a bfloat16 lm_head cannot be built here (the rest of the message after the flag), or None where it can:
+    auto takes it exactly where this is None."""
+    if quant.quantize_lm_head:
+        return " and --quantize-lm-head both set lm_head's precision; pass one of them"
+    if backend != "onnxruntime":
+        return (f" is the engine's own onnxruntime kernel (Bf16MatMul); this build's backend is {backend}: build "
+                "with --backend onnxruntime, or leave it out")
+    if not kernels:
+        return " runs as one of the engine's own kernels; it needs --engine-kernels-plugin enable"
+    if model.hidden_size % bf16_matmul.CHUNK:
+        return (f" needs lm_head's in features (hidden_size {model.hidden_size}) to be a multiple of "
+                f"{bf16_matmul.CHUNK}; keep lm_head float32 for this model")
+    if not bf16_matmul.supported(model.hidden_size):
+        return (": this CPU has no AVX-512 BF16 dot products (flags: avx512_bf16, avx512bw), which the kernel is "
+                "written for; keep lm_head float32 here")
+    return None

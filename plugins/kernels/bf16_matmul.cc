@@ -32,7 +32,7 @@ using quant::kLanes;
 
 constexpr const char* kName = "Bf16MatMul";
 constexpr int kRowsAtOnce = 4;         // rows sharing each loaded B row
-constexpr int64_t kAmxRows = 4;        // fewest rows a call takes through AMX-BF16 (bench/NOTES.md entry 32)
+constexpr int64_t kAmxFromRows = 4;    // fewest rows a call takes through AMX-BF16 (bench/NOTES.md entry 32)
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads the weight stream is prefetched
 
 struct Bf16Kernel {
@@ -60,6 +60,12 @@ inline float from_bf16(uint16_t b) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// The element of a tile (its [K / 32][16][32] B tiles) holding column c's value at k: chunk k / 32, B row
+// (k % 32) / 2, pair position 2 c + k % 2.
+inline int64_t tile_element(int64_t k, int64_t c) {
+  return (k / kChunk) * kChunk * kLanes + (k % kChunk) / 2 * kChunk + 2 * c + k % 2;
 }
 
 void round_row(void* opaque, size_t t) {
@@ -104,10 +110,8 @@ void tile_rows(const Bf16Job& j, int64_t tl, int64_t t0) {
   for (int r = 0; r < Rows; ++r) {
     const uint16_t* a = j.xb + (t0 + r) * j.k;
     float sums[kLanes] = {};
-    for (int64_t kk = 0; kk < j.k; ++kk) {  // B row kk / 2 of chunk kk / 32 holds pair (kk / 2) % 16
-      const uint16_t* row = b + (kk / kChunk) * kChunk * kLanes + (kk % kChunk) / 2 * kChunk + kk % 2;
-      for (int64_t c = 0; c < kLanes; ++c) sums[c] += from_bf16(a[kk]) * from_bf16(row[2 * c]);
-    }
+    for (int64_t kk = 0; kk < j.k; ++kk)
+      for (int64_t c = 0; c < kLanes; ++c) sums[c] += from_bf16(a[kk]) * from_bf16(b[tile_element(kk, c)]);
     for (int64_t c = 0; c < cols; ++c) j.out[(t0 + r) * j.n + tl * kLanes + c] = sums[c];
   }
 #endif
@@ -149,7 +153,7 @@ void compute(void* opaque, OrtKernelContext* context) {
   float* out = output<float>(kernel.api, context, 0, {tokens, kernel.n});
   if (tokens == 0) return;
 #ifdef ENGINE_KERNELS_AMX_BF16
-  if (tokens >= kAmxRows && quant::amx_ready()) {
+  if (tokens >= kAmxFromRows && quant::amx_ready()) {
     thread_local quant::Activations a;
     quant::QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data), out, &a, tokens, k,
                         kernel.n, 16, kChunk, k / kChunk, 0, tiles, 2, (tiles + 1) / 2, false};
@@ -183,8 +187,7 @@ void gather_row(void* opaque, size_t t) {
   const int64_t id = j.ids[t], c = id % kLanes;
   const uint16_t* tile = j.w + id / kLanes * j.hidden * kLanes;
   float* out = j.out + static_cast<int64_t>(t) * j.hidden;
-  for (int64_t kk = 0; kk < j.hidden; ++kk)
-    out[kk] = from_bf16(tile[(kk / kChunk) * kChunk * kLanes + (kk % kChunk) / 2 * kChunk + 2 * c + kk % 2]);
+  for (int64_t kk = 0; kk < j.hidden; ++kk) out[kk] = from_bf16(tile[tile_element(kk, c)]);
 }
 
 void gather_compute(void* opaque, OrtKernelContext* context) {
