@@ -105,7 +105,7 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
     elif quant is not None and quant.mode is not None:   # weight-only, or int4_awq keeping the checkpoint's blocks
         bits = 4 if quant.source_grid else BITS[quant.mode]
         head = (f"int{bits}" + (" with AWQ" if quant.mode == "int4_awq" else "")) if quant.quantize_lm_head \
-            else quant.lm_head_dtype
+            else ("int8 (Q8_0 blocks of 32)" if quant.lm_head_dtype == "int8" else quant.lm_head_dtype)
         how = ("kept as the checkpoint's 4-bit blocks (GGUF Q4_1), float16 scales, float32 offsets"
                if quant.source_grid
                else "RTN, float32 scales") + ("; exact, so AWQ's search is not run on them"
@@ -121,6 +121,10 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
         precision["lm_head"] = ("bfloat16 weights (the engine's Bf16MatMul), its input rounded to bfloat16, "
                                 "products summed in float32" + ("; the tied embedding reads the same table"
                                                                  if tied else ""))
+    elif quant is not None and quant.lm_head_dtype == "int8":
+        precision["lm_head"] = ("int8 weights in blocks of 32 on llama.cpp's Q8_0 rule (scale max|w| / 127), its "
+                                "input rounded as the layers' activations are" + ("; the tied embedding reads the "
+                                                                                 "same table" if tied else ""))
     return precision
 
 

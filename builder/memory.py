@@ -2,7 +2,8 @@
 
     weights per rank      every initializer of the rank's graph at its stored precision: float32 tensors, the
                           rotary tables, and weight-only quantized projections as packed integers plus one
-                          float32 scale per group (a tied embedding quantized with lm_head is stored once,
+                          float32 scale per group (lm_head at the layers' bits with quantize_lm_head, int8 in
+                          blocks of 32 with lm_head_dtype int8; a tied embedding quantized with lm_head is stored once,
                           plus a second copy of its scales that the gather reads), or as the engine's
                           QuantMatMul packs them when the build runs them so (`plugins`); lm_head_dtype
                           bfloat16: lm_head (a tied embedding at tp 1) as Bf16MatMul's bfloat16 tiles
@@ -23,7 +24,7 @@ from engine.core.engine_config import BuildConfig, MemoryPlan, PluginConfig
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
 from engine.plugins import bf16_matmul, quant_matmul
-from engine.quantization import calibrated, kv_cache
+from engine.quantization import calibrated, kv_cache, modes
 from engine.quantization.weight_only import BITS, stored_bytes
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -35,15 +36,17 @@ def rank_weight_elements(model: ModelConfig, tp: int, max_seq_len: int) -> int:
     return rank_elements(model, tp) + rope_tables * 2 * max_seq_len * (model.head_dim // 2)
 
 
-# logical projections a weight-only mode quantizes (lm_head only with quantize_lm_head)
+# logical projections a weight-only mode quantizes (lm_head only with quantize_lm_head or lm_head_dtype int8)
 QUANTIZED_PROJECTIONS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.up",
                          "mlp.down")
 
 
-def runs_quant_matmul(quant: QuantConfig, plugins: PluginConfig | None) -> bool:
-    """Whether the build runs its weight-only quantized projections as QuantMatMul (plugins/linear.py)."""
-    return plugins is not None and quant.group_size is not None and quant_matmul.runs(
-        quant.group_size, quant.accuracy_level or 0, plugin=plugins.weight_only_quant_matmul_plugin,
+def runs_quant_matmul(quant: QuantConfig, plugins: PluginConfig | None, group_size: int | None = None) -> bool:
+    """Whether the build runs its weight-only quantized projections (in groups of `group_size`, default the
+    layers') as QuantMatMul (plugins/linear.py)."""
+    group = group_size or quant.group_size
+    return plugins is not None and group is not None and quant_matmul.runs(
+        group, quant.accuracy_level or 0, plugin=plugins.weight_only_quant_matmul_plugin,
         kernel=plugins.engine_kernels_plugin)
 
 
@@ -71,11 +74,10 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
         return rank_weight_elements(model, tp, max_seq_len) * compute
-    group, packed = quant.group_size, runs_quant_matmul(quant, plugins)
     if quant.mode in calibrated.CALIBRATED:
-        return _calibrated_bytes(model, tp, max_seq_len, quant, packed)
-    bits = BITS[quant.mode]
-    quantized = set(QUANTIZED_PROJECTIONS) | ({"lm_head"} if quant.quantize_lm_head else set())
+        return _calibrated_bytes(model, tp, max_seq_len, quant, runs_quant_matmul(quant, plugins))
+    head = modes.head_quantization(quant)   # (bits, group) of a quantized lm_head and a tied embedding, or None
+    quantized = set(QUANTIZED_PROJECTIONS) | ({"lm_head"} if head else set())
     shapes = logical_shapes(model)
     tied = model.tie_word_embeddings
     if tied and tp > 1:
@@ -84,7 +86,9 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     for name, shape in shapes.items():
         rows_cols = rank_shape(name, shape, model, tp)
         _, stem, kind = split_name(name)
-        if tied and tp == 1 and quant.quantize_lm_head and name == "vocab_embedding.weight":
+        bits, group = head if head and stem in ("lm_head", "vocab_embedding") else (BITS[quant.mode], quant.group_size)
+        packed = runs_quant_matmul(quant, plugins, group)
+        if tied and tp == 1 and head and name == "vocab_embedding.weight":
             n, k = rows_cols   # read by QuantGather and QuantMatMul, or GatherBlockQuantized with its own scales
             total += quant_matmul.stored_bytes(n, k, bits, group) if packed else \
                 stored_bytes(n, k, bits, group) + n * (k // group) * compute

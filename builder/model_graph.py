@@ -30,8 +30,9 @@ Weight-only quantization (QuantConfig.mode int8_wo / int4_wo): every projection 
 gate_up / gate + up, down) is quantized at build (RTN, or kept as the checkpoint's own 4-bit blocks when it has
 them: quantization/weight_only.py) and lowered by
 plugins/linear.py; the gated MLP is then composed here from those projections, since plugins/gated_mlp.py takes
-float weights. Embeddings and lm_head stay float32 unless quantize_lm_head; a tied embedding then shares the
-lm_head's packed table (GatherBlockQuantized + MatMulNBits over one initializer). With lm_head_dtype bfloat16
+float weights. Embeddings and lm_head stay float32 unless quantize_lm_head (at the layers' bits) or lm_head_dtype int8
+(int8 blocks of 32 on llama.cpp's Q8_0 rule); a tied embedding then shares the lm_head's packed table
+(GatherBlockQuantized + MatMulNBits, or QuantGather + QuantMatMul, over one initializer). With lm_head_dtype bfloat16
 lm_head is the engine's Bf16MatMul, and a tied embedding its Bf16Gather over the same table (plugins/bf16_matmul.py).
 
 Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's quantized projections laid over the
@@ -67,6 +68,7 @@ from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
 from engine.quantization.calibrated import CALIBRATED, SHARED_TABLE
 from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
+from engine.quantization.modes import INT8_HEAD_GROUP
 from engine.quantization.weight_only import BITS, WeightOnlyScheme, quantize
 
 from .graph import MS_DOMAIN, Graph
@@ -91,8 +93,13 @@ class _Builder:
         self.scheme = (WeightOnlyScheme(4 if quant.source_grid else BITS[quant.mode], quant.group_size,
                                         quant.accuracy_level, quant.source_grid)
                        if quant.mode in BITS or quant.source_grid else None)
-        # lm_head and the embedding are never on the layers' grid (a GGUF keeps them finer): RTN
-        self.head_scheme = dataclasses.replace(self.scheme, keep_grid=False) if self.scheme else None
+        # lm_head and the embedding are never on the layers' grid (a GGUF keeps them finer): RTN at the layers'
+        # bits with quantize_lm_head, or int8 blocks on Q8_0's rule with lm_head_dtype int8
+        if quant.lm_head_dtype == "int8":
+            self.head_scheme = WeightOnlyScheme(8, INT8_HEAD_GROUP, self.scheme.accuracy_level, q8_0=True)
+        else:
+            self.head_scheme = dataclasses.replace(self.scheme, keep_grid=False) if self.scheme else None
+        self.head_quantized = quant.quantize_lm_head or quant.lm_head_dtype == "int8"
         self.bf16_head = quant.lm_head_dtype == "bfloat16"   # lm_head (and a tied embedding) as Bf16MatMul's table
         self.g = Graph()
         self.heads = model.num_heads // tp
@@ -311,7 +318,7 @@ class _Builder:
             hidden = calibrated_gather(g, shared_calibrated, ec.INPUT_IDS, name="/model/embed_tokens",
                                        weight_name="lm_head.weight", plugin=self.p.weight_only_quant_matmul_plugin,
                                        kernel=self.p.engine_kernels_plugin, accuracy_level=self.q.accuracy_level or 0)
-        elif tied and self.q.quantize_lm_head and self.scheme is not None:
+        elif tied and self.head_quantized and self.scheme is not None:
             shared_table = quantize(embedding, self.head_scheme, name="vocab_embedding.weight")
             hidden = quantized_gather(g, shared_table, ec.INPUT_IDS, name="/model/embed_tokens",
                                       weight_name="vocab_embedding.weight",
@@ -337,7 +344,7 @@ class _Builder:
         normed, _ = add_rms_norm(g, last, rows, self.norm_weight("final_norm.weight"), m.norm_eps,
                                  name="/model/norm", weight_name="final_norm.weight", plugin=self.p.rmsnorm_plugin)
         del embedding
-        lm_scheme = self.head_scheme if self.q.quantize_lm_head else None
+        lm_scheme = self.head_scheme if self.head_quantized else None
         if shared_table is not None:
             logits = quantized_linear(g, normed, shared_table, None, name="/lm_head",
                                       weight_name="vocab_embedding.weight", accuracy_level=self.scheme.accuracy_level,

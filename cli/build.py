@@ -57,11 +57,13 @@ def build_command(
                                              "features).", show_default="int4_wo 32; int8_wo the largest that fits"),
     quantize_lm_head: bool = typer.Option(False, "--quantize-lm-head", help="Also quantize lm_head (and a tied "
                                           "embedding, which shares its table); by default both stay float32."),
-    lm_head_dtype: str = typer.Option("auto", "--lm-head-dtype", help="float32, or bfloat16: lm_head (and a tied "
+    lm_head_dtype: str = typer.Option("auto", "--lm-head-dtype", help="float32; bfloat16: lm_head (and a tied "
                                       "embedding) stored in bfloat16 and run by the engine's Bf16MatMul, half the "
-                                      "bytes a decode step reads for it (onnxruntime, a CPU with AVX-512 BF16; not "
-                                      "with --quantize-lm-head). auto: bfloat16 for a quantized --dtype where it "
-                                      "runs, else float32."),
+                                      "bytes a decode step reads for it (onnxruntime, a CPU with AVX-512 BF16); "
+                                      "int8: blocks of 32 on llama.cpp's Q8_0 rule, a quarter of the bytes "
+                                      "(weight-only --dtype, onnxruntime). Neither with --quantize-lm-head. auto: "
+                                      "int8 for int4_wo, bfloat16 for other quantized --dtype values, where each "
+                                      "runs; else float32."),
     quant_accuracy_level: Optional[int] = typer.Option(None, "--quant-accuracy-level", help="MatMulNBits "
                                                        "accuracy_level: 0 float32 compute (true weight-only), 4 int8 "
                                                        "activations per block (fast).", show_default="4"),
@@ -217,7 +219,9 @@ def build_command(
         return
     report = config.quantization.accuracy
     if "quantized_ppl" in report:
-        what = [config.quantization.mode] if config.quantization.mode else []
+        q = config.quantization
+        what = [q.mode] if q.mode else []
+        what += [f"{q.lm_head_dtype} lm_head"] if q.lm_head_dtype != "float32" else []
         what += [f"{build.kv_cache_dtype} KV cache"] if build.kv_cache_dtype != "float32" else []
         Console(highlight=False, soft_wrap=True).print(
             f"accuracy ({' + '.join(what)}): perplexity {report['reference_ppl']:.3f} -> "

@@ -53,7 +53,8 @@ INT8_WO_MAX_GROUP_SIZE = 32
 AWQ_MAX_GROUP_SIZE = 128  # ModelOpt's INT4_AWQ_CFG block size
 ACCURACY_LEVELS = (0, 1, 4)
 DEFAULT_ACCURACY_LEVEL = 4
-LM_HEAD_DTYPES = ("float32", "bfloat16")
+LM_HEAD_DTYPES = ("float32", "bfloat16", "int8")
+INT8_HEAD_GROUP = 32   # an int8 lm_head's blocks: llama.cpp's Q8_0 (weight_only.quantize_q8_0)
 
 
 def split_dtype(name: str) -> tuple[str, str | None]:
@@ -136,22 +137,56 @@ def _resolve_calibrated(quant: QuantConfig, model: ModelConfig, tp: int) -> Quan
 
 
 def resolve_lm_head_dtype(quant: QuantConfig, model: ModelConfig, *, backend: str, kernels: bool) -> QuantConfig:
-    """--lm-head-dtype: float32, or bfloat16 as the engine's Bf16MatMul (plugins/bf16_matmul.py), which needs the
-    engine's kernels on onnxruntime, lm_head's in features in whole chunks of 32 and a CPU with AVX-512 BF16; auto
-    (the CLI's default) is bfloat16 for a quantized --dtype where it runs, else float32. A quantized build's
-    projections are already rounded, and a float32 lm_head was its largest read at a decode step (SmolLM2 int8_wo:
-    113 of ~230 MB a token); bfloat16 halves it at no measured accuracy cost (bench/NOTES.md entry 32), as
-    TensorRT-LLM keeps lm_head in the checkpoint's 16-bit dtype."""
+    """--lm-head-dtype: float32; bfloat16 as the engine's Bf16MatMul (plugins/bf16_matmul.py), which needs the
+    engine's kernels on onnxruntime, lm_head's in features in whole chunks of 32 and a CPU with AVX-512 BF16; or int8
+    in blocks of 32 on llama.cpp's Q8_0 rule (weight_only.quantize_q8_0), run as the layers' int8 projections are, for
+    weight-only builds on onnxruntime. auto (the CLI's default), where each runs: int8 for int4_wo at accuracy level
+    4 (llama.cpp keeps a 4-bit model's output tensor in Q8_0, and a GGUF's Q8_0 table comes back exactly), bfloat16
+    for the other quantized modes, else float32. A quantized build's projections are already rounded, and a float32
+    lm_head was its largest read at a decode step (SmolLM2 int8_wo: 113 of ~230 MB a token); bfloat16 halves it at
+    no measured accuracy cost, int8 quarters it (bench/NOTES.md entries 32, 33). TensorRT-LLM keeps lm_head in the
+    checkpoint's 16-bit dtype."""
     dtype = quant.lm_head_dtype
     if dtype == "auto":
+        level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level
+        if quant.mode == "int4_wo" and level == 4 and _int8_head_blocker(quant, model, backend) is None:
+            return replace(quant, lm_head_dtype="int8")
         runs = quant.mode is not None and _bf16_head_blocker(quant, model, backend, kernels) is None
         return replace(quant, lm_head_dtype="bfloat16" if runs else "float32")
     if dtype not in LM_HEAD_DTYPES:
         raise EngineError(f"--lm-head-dtype {dtype!r} is not one of auto, {', '.join(LM_HEAD_DTYPES)}", usage=True)
-    blocker = _bf16_head_blocker(quant, model, backend, kernels) if dtype == "bfloat16" else None
+    blocker = {"bfloat16": lambda: _bf16_head_blocker(quant, model, backend, kernels),
+               "int8": lambda: _int8_head_blocker(quant, model, backend)}.get(dtype, lambda: None)()
     if blocker is not None:
         raise EngineError(f"--lm-head-dtype {dtype}{blocker}", usage=True)
     return quant
+
+
+def head_quantization(quant: QuantConfig) -> tuple[int, int] | None:
+    """(bits, group size) of a weight-only build's quantized lm_head (and the tied embedding that shares its table):
+    the layers' with quantize_lm_head, int8 blocks of 32 with lm_head_dtype int8; None where lm_head is a float
+    table. `quant` must be resolved."""
+    if quant.lm_head_dtype == "int8":
+        return 8, INT8_HEAD_GROUP
+    if quant.quantize_lm_head and quant.mode in BITS:
+        return BITS[quant.mode], quant.group_size
+    return None
+
+
+def _int8_head_blocker(quant: QuantConfig, model: ModelConfig, backend: str) -> str | None:
+    """Why an int8 lm_head cannot be built here (the rest of the message after the flag), or None where it can."""
+    if quant.quantize_lm_head:
+        return " and --quantize-lm-head both set lm_head's precision; pass one of them"
+    if quant.mode not in WEIGHT_ONLY:
+        return (f" is a weight-only lm_head and needs a weight-only --dtype ({' or '.join(WEIGHT_ONLY)}); this "
+                f"build's is {quant.mode or 'float32'}: pass one, or --lm-head-dtype bfloat16 or float32")
+    if backend != "onnxruntime":
+        return (f" is built for onnxruntime; this build's backend is {backend}: use --quantize-lm-head for a "
+                "quantized lm_head there, or leave it out")
+    if model.hidden_size % INT8_HEAD_GROUP:
+        return (f" needs lm_head's in features (hidden_size {model.hidden_size}) to be a multiple of "
+                f"{INT8_HEAD_GROUP}; use --lm-head-dtype float32 for this model")
+    return None
 
 
 def _bf16_head_blocker(quant: QuantConfig, model: ModelConfig, backend: str, kernels: bool) -> str | None:

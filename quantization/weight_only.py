@@ -52,6 +52,7 @@ class WeightOnlyScheme:
     group_size: int
     accuracy_level: int = 0
     keep_grid: bool = False   # the weights are on a 4-bit block grid already (block_grid): keep it, no RTN
+    q8_0: bool = False        # 8 bits on llama.cpp's Q8_0 rule instead of RTN's (quantize_q8_0)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weigh
             raise EngineError(f"{name} is not on the 4-bit grid the rest of the checkpoint is on; convert the "
                               "model again, or build another --group-size")
         return kept
+    if scheme.q8_0:
+        return quantize_q8_0(weight, scheme.group_size, name=name)
     if scheme.bits not in (4, 8):
         raise EngineError(f"{scheme.bits}-bit weights are not supported; use 4 or 8")
     n, k = weight.shape
@@ -115,6 +118,23 @@ def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weigh
     kernel(packed, np.ascontiguousarray(weight.T, dtype=np.float32), scales, zero_points, scheme.group_size,
            n, k, True)
     return QuantizedWeight(packed, scales, scheme.bits, scheme.group_size)
+
+
+def quantize_q8_0(weight: np.ndarray, group_size: int, *, name: str = "weight") -> QuantizedWeight:
+    """int8 blocks on llama.cpp's Q8_0 rule: scale = max|w| / 127 per group, q = round(w / scale) in -127..127 (RTN's
+    scale is the signed extreme / -128). The same bytes as RTN's int8 (implied zero point 128), so every int8
+    kernel runs them; a table that is a GGUF's Q8_0 blocks (d * q, d a float16) comes back exactly, which RTN's
+    rule would move by up to half a step. Used for an int8 lm_head (QuantConfig.lm_head_dtype)."""
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2:
+        raise EngineError(f"{name} has shape {tuple(w.shape)}; only 2-D [out, in] weights are quantized")
+    n, k = w.shape
+    check_group_size(group_size, k, name)
+    groups = w.reshape(n, k // group_size, group_size)
+    scales = (np.abs(groups).max(axis=-1) / np.float32(127)).astype(np.float32)
+    safe = np.where(scales > 0, scales, np.float32(1))
+    q = np.clip(np.rint(groups / safe[..., None]), -127, 127).astype(np.int16) + 128
+    return QuantizedWeight(q.astype(np.uint8), scales, 8, group_size)
 
 
 def block_grid(weight: np.ndarray, group_size: int) -> QuantizedWeight | None:

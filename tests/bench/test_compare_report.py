@@ -41,13 +41,14 @@ def test_goals_pass_miss_and_not_measured():
         {"name": "build-int8", "status": "failed", "note": "boom"},
     ])
     goals = {g["goal"]: g for g in report.goals(res)}
-    int4 = goals["decode b=1: engine int4 (default build: lm_head bf16, KV float16) vs onnxruntime-genai int4"]
+    int4 = goals["decode b=1: engine int4 (default build: lm_head int8, KV float16) vs onnxruntime-genai int4"]
     assert (int4["result"], int4["value"]) == ("pass", round(170 / 110, 3))
     assert goals["decode b=1: engine int8 (default build: lm_head bf16, KV float16) vs onnxruntime-genai int8"][
         "result"] == "miss"
     assert goals["  same, engine int4 with lm_head fp32 and KV float32 (the defaults before)"]["result"] == \
         "not measured"
     assert goals["  same, engine int4 with lm_head int4 too, KV float32 (like-for-like)"]["result"] == "not measured"
+    assert goals["  same, engine int4 with lm_head bf16, KV float16"]["result"] == "not measured"
     prefill = goals["prefill 512: best engine (engine-int8) vs transformers bf16"]
     assert prefill["result"] == "pass" and prefill["value"] == round(900 / 700, 3)
     floor = goals["fp32 decode b=1 vs bandwidth floor"]

@@ -99,7 +99,8 @@ def test_existing_output_dir_needs_force(tiny, tmp_path, monkeypatch, capsys):
     (["--rmsnorm-plugin", "on"], "--rmsnorm-plugin 'on' must be enable or disable"),
     (["--tp", "3"], "--tp 3 cannot split LlamaForCausalLM"),
     (["--workers", "0"], "--workers 0 must be at least 1"),
-    (["--lm-head-dtype", "fp16"], "--lm-head-dtype 'fp16' is not one of auto, float32, bfloat16"),
+    (["--lm-head-dtype", "fp16"], "--lm-head-dtype 'fp16' is not one of auto, float32, bfloat16, int8"),
+    (["--lm-head-dtype", "int8"], "--lm-head-dtype int8 is a weight-only lm_head and needs a weight-only --dtype"),
     (["--dtype", "int8_wo", "--quantize-lm-head", "--lm-head-dtype", "bfloat16"], "both set lm_head's precision"),
     (["--lm-head-dtype", "bfloat16", "--engine-kernels-plugin", "disable"], "needs --engine-kernels-plugin enable"),
 ])

@@ -15,6 +15,22 @@ from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
 from tests.tiny_models import TINY_CONFIGS
 
 
+@pytest.mark.parametrize("mode", ["int8_wo", "int4_wo"])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("key", ["LlamaForCausalLM", "LlamaForCausalLM:llama3-rope-tied"])
+def test_planned_weights_with_an_int8_lm_head(tiny, key, tp, mode):
+    """lm_head (a tied embedding at tp 1) as int8 blocks of 32 beside the layers' own bits and group."""
+    from engine.quantization import modes
+    ckpt_dir = tiny.checkpoint(key)
+    ckpt = load_checkpoint_config(ckpt_dir)
+    build = dataclasses.replace(TEST_BUILD, tp_size=tp)
+    quant = modes.resolve(QuantConfig(mode=mode, lm_head_dtype="int8", group_size=16 if mode == "int4_wo" else None),
+                          ckpt.model, tp)
+    graph = build_graph(ckpt.model, rank_tensors(ckpt_dir, ckpt, tp, tp - 1), build, ALL_PLUGINS, tp, quant)
+    actual = sum(len(t.raw_data) for t in graph.initializers if not t.name.startswith("/model/constants/"))
+    assert memory_plan(ckpt.model, build, quant, ALL_PLUGINS).weight_bytes_per_rank == (actual,) * tp
+
+
 @pytest.mark.parametrize("lm_head_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("key", sorted(TINY_CONFIGS))

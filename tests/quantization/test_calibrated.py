@@ -252,7 +252,9 @@ def test_build_and_inspect_commands(tiny, tmp_path, monkeypatch, capsys):
                          "--calib-size", "4", "--calib-max-seq-len", "16", "--eval-tokens", "64",
                          "--max-seq-len", "64")
     assert code == 0, err
-    assert "accuracy (fp8 + float16 KV cache): perplexity" in out   # float16: a quantized build's default
+    from engine.plugins import bf16_matmul   # a quantized build's defaults: float16 KV, a bfloat16 lm_head
+    head = " + bfloat16 lm_head" if bf16_matmul.supported(64) else ""
+    assert f"accuracy (fp8{head} + float16 KV cache): perplexity" in out
     config = load_engine_config(out_dir)
     assert config.quantization.calibration["data"] == f"file {calib}"
     assert config.quantization.calibration["sequences"] == 4 and config.quantization.calibration["max_seq_len"] == 16

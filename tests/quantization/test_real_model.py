@@ -46,6 +46,9 @@ def engines(smollm2_checkpoint, tmp_path_factory):
                      accuracy=AccuracyOptions(max_ppl_increase=TARGET[mode]))
         build_engine(smollm2_checkpoint, root / f"{mode}_lm_head", BUILD, PluginConfig(),
                      quant=QuantConfig(mode=mode, quantize_lm_head=True), accuracy=AccuracyOptions(eval_tokens=0))
+    build_engine(smollm2_checkpoint, root / "int4_wo_lm_int8", BUILD, PluginConfig(),
+                 quant=QuantConfig(mode="int4_wo", lm_head_dtype="int8"),
+                 accuracy=AccuracyOptions(max_ppl_increase=TARGET["int4_wo"]))
     return root
 
 
@@ -71,3 +74,27 @@ def test_weights_at_their_precision_and_kernels_in_the_graph(engines, mode):
     assert counts[PROJECTION_OP] == 30 * 4
     counts = op_counts(engines / f"{mode}_lm_head" / "rank0.onnx")
     assert counts[PROJECTION_OP] == 30 * 4 + 1 and counts[GATHER_OP] == 1
+
+
+def test_int8_lm_head_is_the_ggufs_q8_0_table_exactly(engines, smollm2_gguf):
+    """The GGUF ships token_embd (the tied lm_head) as Q8_0 blocks; `--lm-head-dtype int8` (int4_wo's default in the
+    CLI) stores exactly those integers and scales, where RTN's rule moves them (quantization/weight_only.py), and the
+    engine still answers and scores within int4_wo's target."""
+    import gguf
+    import numpy as np
+    import onnx
+    from engine.runtime.engine_dir import load_engine_config
+    from .engines import stored_projection
+    engine = engines / "int4_wo_lm_int8"
+    tensor = next(t for t in gguf.GGUFReader(str(smollm2_gguf)).tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    blocks = np.asarray(tensor.data).reshape(-1, 34)   # Q8_0: a float16 d, then 32 int8 q
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    q = blocks[:, 2:].copy().view(np.int8)
+    m = load_engine_config(engine).model
+    inits = {t.name: t for t in onnx.load(str(engine / "rank0.onnx")).graph.initializer}
+    values, scales = stored_projection(inits, "vocab_embedding", m.vocab_size, 8, 32)
+    np.testing.assert_array_equal(values.astype(np.int16) - 128, q.reshape(m.vocab_size, m.hidden_size))
+    np.testing.assert_array_equal(scales, d.reshape(m.vocab_size, m.hidden_size // 32))
+    assert next_token_after_france(engine) == " Paris"
+    assert load_engine_config(engine).quantization.accuracy["ppl_increase_pct"] <= TARGET["int4_wo"]
