@@ -14,13 +14,16 @@ measurement in a process of its own). Steps, in order (names for --only / --skip
 
     bandwidth            memory read bandwidth (2 GiB torch sum), for the fp32 decode floor
     build-int8           wall time of `engine convert` (of the HF dir) + `engine build --dtype int8_wo`
-    engine-<variant>     the engine session, one run() per step: fp32, int8, int4 (the defaults: lm_head bf16,
-                         KV float16), -lm32-kv32 (both float32), -lmq (lm_head quantized too, as onnxruntime-genai
+    engine-<variant>     the engine session, one run() per step: fp32, int8, int4 (the defaults: lm_head int8,
+                         KV float16), -lmbf16 (lm_head bfloat16), -lm32-kv32 (both float32), -lmq (lm_head quantized too, as onnxruntime-genai
                          does, KV float32), -kv16 / -kv8 (KV float16 / int8)
     hf-fp32, hf-bf16     transformers generate (sdpa)
     ortgenai-<p>         onnxruntime-genai 0.18 Generator, int4 / int8 / fp32 from its model builder
     llamacpp-<gguf>      llama-cpp-python when installed (LLAMA_CPP_LIB_PATH is honoured, as in the anchors),
                          the shipped Q4_1 GGUF, a Q8_0 of it made by llama.cpp's quantizer, and any --gguf given
+    alternating-<goal>   the decode goals again as --rounds alternating processes (engine-int4 / ortgenai-int4,
+                         engine-int8 / ortgenai-int8, engine-fp32 / bandwidth): the goals take the median of the
+                         per-round ratios, which carries less of the VM's drift than two steps minutes apart
     engine-api-<variant> the Python API (LLM.generate), timed like transformers' generate: fp32, int8, int4
     coldstart-<variant>  process start -> first generated token through LLM.stream, and `engine run` start to exit
 
@@ -169,6 +172,16 @@ class Runner:
             raise RuntimeError(f"{kind} worker failed ({why}): {(p.stderr or p.stdout).strip()[-300:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])
 
+    def alternating(self, a: tuple[str, dict, str], b: tuple[str, dict, str]) -> dict:
+        """--rounds rounds of worker a then worker b, each (kind, spec, figure) in a fresh process: a ratio of two
+        processes seconds apart carries less of this VM's drift (tens of percent between hours, bench/NOTES.md)
+        than one of steps minutes apart. The report takes the median of the per-round ratios."""
+        out = {"a": [], "b": [], "a_key": a[2], "b_key": b[2]}
+        for _ in range(self.args.rounds):
+            for side, (kind, spec, key) in (("a", a), ("b", b)):
+                out[side].append(self.worker(kind, spec)[key])
+        return out
+
     def coldstart(self, engine_dir: Path) -> dict:
         """Spawn -> "FIRST" line of the child (LLM load + first token), and `engine run` start -> exit; one
         warm-up (file cache warm, as on a machine that has run the engine before), then medians."""
@@ -207,7 +220,7 @@ def run_all(args: argparse.Namespace) -> dict:
     result = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
               "settings": {"threads": args.threads, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                           "repeats": args.repeats, "busy_load": args.threads + 0.5,
+                           "repeats": args.repeats, "rounds": args.rounds, "busy_load": args.threads + 0.5,
                            "prompt_ids": "bench/prompt_ids.json"},
               "machine": machine(), "versions": versions(), "model": None}
     r = Runner(args, save=lambda: write(args, result, t0, partial=True))
@@ -259,6 +272,19 @@ def run_all(args: argparse.Namespace) -> dict:
                lambda g=g: r.worker("llamacpp", r.spec(gguf=str(models.ensure_gguf(cache, gguf, g)))),
                missing=no_llama)
 
+    # The decode goals once more as alternating processes, engine then peer (bandwidth for the fp32 floor).
+    def engine_side(variant: str) -> tuple[str, dict, str]:
+        return "engine", r.spec(engine_dir=str(models.ensure_engine(cache, source, variant, **build_opts))), \
+            "decode_tok_s"
+    for bits in ("int4", "int8"):
+        r.step(f"alternating-{bits}", "engine vs onnxruntime-genai, alternating processes",
+               f"engine-{bits} / ortgenai-{bits}, {args.rounds} rounds",
+               lambda b=bits: r.alternating(engine_side(b), ("ortgenai", r.spec(model_dir=str(
+                   models.ensure_ortgenai(cache, hf_dir, b, og))), "decode_tok_s")), missing=no_og or no_hf)
+    r.step("alternating-fp32-floor", "engine vs memory bandwidth, alternating processes",
+           f"engine-fp32 / bandwidth, {args.rounds} rounds",
+           lambda: r.alternating(engine_side("fp32"), ("bandwidth", r.spec(), "read_GBps")))
+
     # The engine's secondary measurements come after the peers, so engines and peers run close together in time.
     for variant in API_VARIANTS:
         r.step(f"engine-api-{variant}", "engine (LLM.generate)", models.ENGINE_VARIANTS[variant][1],
@@ -301,6 +327,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens, at most 512 (default 512)")
     ap.add_argument("--new-tokens", type=int, default=128, help="decode steps timed (default 128)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; medians (default 3)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating engine / peer rounds of the decode goals (default 3)")
     ap.add_argument("--only", help="comma-separated globs of step names to run (default: all)")
     ap.add_argument("--skip", help="comma-separated globs of step names to leave out")
     ap.add_argument("--gguf", action="append", default=[], help="another GGUF for llama.cpp (repeatable)")
@@ -324,8 +352,8 @@ def main() -> None:
         return
     if not 1 <= args.prompt_len <= 512:
         ap.error(f"--prompt-len {args.prompt_len} must be in [1, 512] (bench/prompt_ids.json holds 512 tokens)")
-    if args.new_tokens < 1 or args.repeats < 1 or args.threads < 1:
-        ap.error("--new-tokens, --repeats and --threads must be at least 1")
+    if min(args.new_tokens, args.repeats, args.threads, args.rounds) < 1:
+        ap.error("--new-tokens, --repeats, --threads and --rounds must be at least 1")
     result = run_all(args)
     print(report.goals_table(result["goals"]))
     busy = [rec["name"] for rec in result["records"] if rec.get("busy")]

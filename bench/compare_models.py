@@ -28,7 +28,9 @@ TOOLCHAIN_DIRS = ("core", "recipes", "quantization", "plugins", "builder")
 # name -> (engine build flags, what the weights are)
 ENGINE_VARIANTS: dict[str, tuple[list[str], str]] = {
     "fp32": (["--dtype", "float32"], "float32"),
-    "int8": (["--dtype", "int8_wo"], "int8_wo g32 (defaults: lm_head bf16, KV cache float16)"),
+    "int8": (["--dtype", "int8_wo"], "int8_wo g32 (defaults: lm_head int8 Q8_0, KV cache float16)"),
+    "int8-lmbf16": (["--dtype", "int8_wo", "--lm-head-dtype", "bfloat16"],
+                    "int8_wo g32, lm_head bf16, KV cache float16"),
     "int4": (["--dtype", "int4_wo"], "int4_wo g32, Q4_1 blocks kept (defaults: lm_head int8 Q8_0, KV cache float16)"),
     "int4-lmbf16": (["--dtype", "int4_wo", "--lm-head-dtype", "bfloat16"],
                     "int4_wo g32, Q4_1 blocks kept, lm_head bf16, KV cache float16"),

@@ -62,7 +62,7 @@ def build_command(
                                       "bytes a decode step reads for it (onnxruntime, a CPU with AVX-512 BF16); "
                                       "int8: blocks of 32 on llama.cpp's Q8_0 rule, a quarter of the bytes "
                                       "(weight-only --dtype, onnxruntime). Neither with --quantize-lm-head. auto: "
-                                      "int8 for int4_wo, bfloat16 for other quantized --dtype values, where each "
+                                      "int8 for int8_wo / int4_wo, bfloat16 for the calibrated modes, where each "
                                       "runs; else float32."),
     quant_accuracy_level: Optional[int] = typer.Option(None, "--quant-accuracy-level", help="MatMulNBits "
                                                        "accuracy_level: 0 float32 compute (true weight-only), 4 int8 "

@@ -140,16 +140,17 @@ def resolve_lm_head_dtype(quant: QuantConfig, model: ModelConfig, *, backend: st
     """--lm-head-dtype: float32; bfloat16 as the engine's Bf16MatMul (plugins/bf16_matmul.py), which needs the
     engine's kernels on onnxruntime, lm_head's in features in whole chunks of 32 and a CPU with AVX-512 BF16; or int8
     in blocks of 32 on llama.cpp's Q8_0 rule (weight_only.quantize_q8_0), run as the layers' int8 projections are, for
-    weight-only builds on onnxruntime. auto (the CLI's default), where each runs: int8 for int4_wo at accuracy level
-    4 (llama.cpp keeps a 4-bit model's output tensor in Q8_0, and a GGUF's Q8_0 table comes back exactly), bfloat16
-    for the other quantized modes, else float32. A quantized build's projections are already rounded, and a float32
-    lm_head was its largest read at a decode step (SmolLM2 int8_wo: 113 of ~230 MB a token); bfloat16 halves it at
-    no measured accuracy cost, int8 quarters it (bench/NOTES.md entries 32, 33). TensorRT-LLM keeps lm_head in the
-    checkpoint's 16-bit dtype."""
+    weight-only builds on onnxruntime. auto (the CLI's default), where each runs: int8 for int8_wo / int4_wo at
+    accuracy level 4, whose layers already round their activations to int8 (llama.cpp keeps a quantized model's
+    output tensor in Q8_0 or finer, onnxruntime-genai quantizes lm_head with the layers; a GGUF's Q8_0 table comes
+    back exactly), bfloat16 for the calibrated modes, else float32. A quantized build's projections are already
+    rounded, and a float32 lm_head was its largest read at a decode step (SmolLM2 int8_wo: 113 of ~230 MB a token);
+    bfloat16 halves it, int8 quarters it, at no measured perplexity cost (bench/NOTES.md entries 32, 33).
+    TensorRT-LLM keeps lm_head in the checkpoint's 16-bit dtype."""
     dtype = quant.lm_head_dtype
     if dtype == "auto":
         level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level
-        if quant.mode == "int4_wo" and level == 4 and _int8_head_blocker(quant, model, backend) is None:
+        if level == 4 and _int8_head_blocker(quant, model, backend) is None:
             return replace(quant, lm_head_dtype="int8")
         runs = quant.mode is not None and _bf16_head_blocker(quant, model, backend, kernels) is None
         return replace(quant, lm_head_dtype="bfloat16" if runs else "float32")

@@ -76,10 +76,11 @@ def test_with_quantized_layers_within_the_modes_tolerance(tiny, mode):
     assert relative_rms(prefill, float_head) < 0.01   # the head's rounding is small beside the layers'
 
 
-def test_auto_is_bfloat16_for_quantized_builds_where_it_runs(tiny):
+def test_auto_is_bfloat16_for_calibrated_builds_where_it_runs(tiny):
+    """(Weight-only modes take an int8 lm_head: test_lm_head_int8.py.)"""
     from engine.core.artifacts import load_checkpoint_config
     model = load_checkpoint_config(tiny.checkpoint(UNTIED)).model
-    auto = QuantConfig(mode="int8_wo", lm_head_dtype="auto")
+    auto = QuantConfig(mode="fp8", lm_head_dtype="auto")
 
     def resolved(q=auto, backend="onnxruntime", kernels=True, m=model):
         return modes.resolve_lm_head_dtype(q, m, backend=backend, kernels=kernels).lm_head_dtype

@@ -116,7 +116,7 @@ def test_over_tp2_each_rank_holds_its_vocabulary_shard_and_matches_tp1(tiny):
         session.close()
 
 
-def test_auto_is_int8_for_int4_wo_and_bfloat16_for_other_modes(tiny):
+def test_auto_is_int8_for_weight_only_modes_at_accuracy_level_4(tiny):
     from engine.core.artifacts import load_checkpoint_config
     model = load_checkpoint_config(tiny.checkpoint(UNTIED)).model
     bf16 = "bfloat16" if bf16_matmul.supported(model.hidden_size) else "float32"
@@ -124,8 +124,9 @@ def test_auto_is_int8_for_int4_wo_and_bfloat16_for_other_modes(tiny):
     def resolved(mode="int4_wo", backend="onnxruntime", kernels=True, m=model, **q):
         quant = QuantConfig(mode=mode, lm_head_dtype="auto", **q)
         return modes.resolve_lm_head_dtype(quant, m, backend=backend, kernels=kernels).lm_head_dtype
-    assert resolved() == "int8" and resolved(kernels=False) == "int8"   # MatMulNBits runs it too
-    assert resolved("int8_wo") == bf16 and resolved(None) == "float32"
+    assert resolved() == resolved("int8_wo") == "int8"
+    assert resolved(kernels=False) == "int8"          # MatMulNBits runs it too
+    assert resolved("fp8") == bf16 and resolved(None) == "float32"   # calibrated modes: bfloat16
     assert resolved(accuracy_level=0) == bf16       # float32 activations: MLAS has no fast int8 kernel for them
     assert resolved(quantize_lm_head=True) == "float32"   # its own precision
     assert resolved(backend="tensorrt") == "float32"
