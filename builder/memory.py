@@ -6,7 +6,8 @@
                           blocks of 32 with lm_head_dtype int8; a tied embedding quantized with lm_head is stored once,
                           plus a second copy of its scales that the gather reads), or as the engine's
                           QuantMatMul packs them when the build runs them so (`plugins`); lm_head_dtype
-                          bfloat16: lm_head (a tied embedding at tp 1) as Bf16MatMul's bfloat16 tiles
+                          bfloat16: lm_head (and a tied embedding) as Bf16MatMul's bfloat16 tiles; at tp > 1 a
+                          tied embedding is a whole table of its own at the head's precision
     KV per token          layers x (K + V) x kv_heads_per_rank x head_dim x kv dtype bytes (float32 4, int8 1;
                           the int8 scales are weights: 2 x kv_size float32 per layer, counted with them)
     activations (peak)    one step at max_num_tokens: the widest per-token tensors alive at once, plus the
@@ -58,14 +59,18 @@ def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
 
 def _bf16_head_saving(model: ModelConfig, tp: int, quant: QuantConfig | None) -> int:
     """With lm_head_dtype bfloat16: the float32 lm_head table's bytes less its Bf16MatMul tiles' (a tied embedding
-    at tp 1 is that table)."""
+    at tp 1 is that table; at tp > 1 a tied embedding's own table is saved on too)."""
     if quant is None or quant.lm_head_dtype != "bfloat16":
         return 0
     shapes = logical_shapes(model)
     tied = model.tie_word_embeddings
-    name = "vocab_embedding.weight" if tied and tp == 1 else "lm_head.weight"
-    n, k = rank_shape(name, shapes.get(name, shapes["vocab_embedding.weight"]), model, tp)
-    return n * k * DTYPE_BYTES["float32"] - bf16_matmul.stored_bytes(n, k)
+    names = ["vocab_embedding.weight"] if tied and tp == 1 else \
+        ["lm_head.weight"] + (["vocab_embedding.weight"] if tied else [])
+    saving = 0
+    for name in names:
+        n, k = rank_shape(name, shapes.get(name, shapes["vocab_embedding.weight"]), model, tp)
+        saving += n * k * DTYPE_BYTES["float32"] - bf16_matmul.stored_bytes(n, k)
+    return saving
 
 
 def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None,
@@ -88,8 +93,9 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
         _, stem, kind = split_name(name)
         bits, group = head if head and stem in ("lm_head", "vocab_embedding") else (BITS[quant.mode], quant.group_size)
         packed = runs_quant_matmul(quant, plugins, group)
-        if tied and tp == 1 and head and name == "vocab_embedding.weight":
-            n, k = rows_cols   # read by QuantGather and QuantMatMul, or GatherBlockQuantized with its own scales
+        if tied and head and name == "vocab_embedding.weight":
+            # read by QuantGather (and QuantMatMul at tp 1), or GatherBlockQuantized with its own scales
+            n, k = rows_cols
             total += quant_matmul.stored_bytes(n, k, bits, group) if packed else \
                 stored_bytes(n, k, bits, group) + n * (k // group) * compute
         elif kind == "weight" and stem in quantized and packed:

@@ -34,6 +34,8 @@ float weights. Embeddings and lm_head stay float32 unless quantize_lm_head (at t
 (int8 blocks of 32 on llama.cpp's Q8_0 rule); a tied embedding then shares the lm_head's packed table
 (GatherBlockQuantized + MatMulNBits, or QuantGather + QuantMatMul, over one initializer). With lm_head_dtype bfloat16
 lm_head is the engine's Bf16MatMul, and a tied embedding its Bf16Gather over the same table (plugins/bf16_matmul.py).
+At tp > 1 each rank's lm_head is its vocabulary shard, and a tied embedding gathers from a whole table of its own
+at the head's precision.
 
 Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's quantized projections laid over the
 checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py (int4_awq layers that
@@ -310,6 +312,9 @@ class _Builder:
         m, g = self.m, self.g
         self.inputs()
         tied = m.tie_word_embeddings and self.tp == 1 and "lm_head.weight" not in self.t
+        # tp > 1: a rank holds its vocabulary shard of lm_head and the whole embedding, which a tied model still
+        # stores at the head's precision, as a table of its own (the same rows tp=1's shared table holds)
+        own_table = m.tie_word_embeddings and not tied
         embedding = self.take("vocab_embedding.weight")
         shared_table = shared_calibrated = None
         if self.calibrated and self.q.quantize_lm_head and m.tie_word_embeddings and self.q.mode in SHARED_TABLE:
@@ -318,13 +323,14 @@ class _Builder:
             hidden = calibrated_gather(g, shared_calibrated, ec.INPUT_IDS, name="/model/embed_tokens",
                                        weight_name="lm_head.weight", plugin=self.p.weight_only_quant_matmul_plugin,
                                        kernel=self.p.engine_kernels_plugin, accuracy_level=self.q.accuracy_level or 0)
-        elif tied and self.head_quantized and self.scheme is not None:
-            shared_table = quantize(embedding, self.head_scheme, name="vocab_embedding.weight")
-            hidden = quantized_gather(g, shared_table, ec.INPUT_IDS, name="/model/embed_tokens",
+        elif (tied or own_table) and self.head_quantized and self.scheme is not None:
+            table = quantize(embedding, self.head_scheme, name="vocab_embedding.weight")
+            hidden = quantized_gather(g, table, ec.INPUT_IDS, name="/model/embed_tokens",
                                       weight_name="vocab_embedding.weight",
                                       plugin=self.p.weight_only_quant_matmul_plugin,
                                       kernel=self.p.engine_kernels_plugin, accuracy_level=self.scheme.accuracy_level)
-        elif tied and self.bf16_head:   # the embedding reads lm_head's bfloat16 table (stored once)
+            shared_table = table if tied else None
+        elif (tied or own_table) and self.bf16_head:   # lm_head's bfloat16 table (at tp 1 stored once for both)
             hidden = bf16_gather(g, embedding, ec.INPUT_IDS, name="/model/embed_tokens",
                                  weight_name="vocab_embedding.weight")
         else:

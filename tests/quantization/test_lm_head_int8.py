@@ -102,18 +102,21 @@ def test_logits_are_the_float_head_engines_to_the_heads_rounding(tiny, key, mode
     assert 1e-4 < relative_rms(decode[:1], float_head[2][:1]) < 0.02
 
 
-def test_over_tp2_each_rank_holds_its_vocabulary_shard_and_matches_tp1(tiny):
+@pytest.mark.parametrize("key", [TIED, UNTIED])
+def test_over_tp2_each_rank_holds_its_vocabulary_shard_and_matches_tp1(tiny, key):
     """tp=2: each rank quantizes its vocabulary shard of lm_head into the same Q8_0 blocks as tp=1 (the blocks run
-    along the in features), so prefill and decode give tp=1's logits and tokens. Untied: with a tied table tp=1's
-    embedding gathers the int8 table while tp>1 ranks keep a float32 embedding (1% apart on these tiny models)."""
+    along the in features), and a tied embedding gathers from a whole int8 table of its own (tp=1 reads one table
+    for both), so prefill and decode give tp=1's logits and tokens."""
     from engine.runtime.tp.session import TPSession
     from tests.tp.parity import check_same_as_tp1
-    session = TPSession(int8_head_engine(tiny, UNTIED, "int4_wo", tp=2), num_blocks=64)
+    session = TPSession(int8_head_engine(tiny, key, "int4_wo", tp=2), num_blocks=64)
     try:
-        check_same_as_tp1(EngineSession(int8_head_engine(tiny, UNTIED, "int4_wo"), num_blocks=64), session, BATCH,
-                          steps=6, what="int4_wo + int8 lm_head tp=2")
+        check_same_as_tp1(EngineSession(int8_head_engine(tiny, key, "int4_wo"), num_blocks=64), session, BATCH,
+                          steps=6, what=f"{key} int4_wo + int8 lm_head tp=2")
     finally:
         session.close()
+    counts = op_counts(int8_head_engine(tiny, key, "int4_wo", tp=2) / "rank1.seg000.onnx")   # the embedding
+    assert counts.get(GATHER_OP) == (1 if key == TIED else None)
 
 
 def test_auto_is_int8_for_weight_only_modes_at_accuracy_level_4(tiny):

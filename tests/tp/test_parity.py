@@ -51,7 +51,7 @@ def test_llm_over_tp2_engine_generates_what_tp1_does(tiny):
 @pytest.mark.skipif(not bf16_matmul.supported(64), reason="this CPU has no AVX-512 BF16 dot products")
 def test_bfloat16_lm_head_over_tp2_matches_tp1(tiny, tmp_path):
     """--lm-head-dtype bfloat16 on a tied model: tp=1 reads one table for the embedding and lm_head, each tp=2 rank
-    its vocabulary shard of lm_head (the embedding stays float32 there); the same logits and greedy tokens."""
+    its vocabulary shard of lm_head and a bfloat16 embedding table of its own; the same logits and greedy tokens."""
     key = "LlamaForCausalLM:llama3-rope-tied"
     engines = {}
     for tp in (1, 2):
