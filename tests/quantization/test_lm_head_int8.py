@@ -88,18 +88,19 @@ def test_one_int8_table_is_stored_on_the_q8_0_rule(tiny, key, tied):
     assert data <= config.memory.weight_bytes_per_rank[0] <= data * 1.05
 
 
-@pytest.mark.parametrize("mode", ["int8_wo", "int4_wo"])
-@pytest.mark.parametrize("key", [TIED, UNTIED])
+@pytest.mark.parametrize("mode, key", [(m, k) for m in ("int8_wo", "int4_wo") for k in (TIED, UNTIED)]
+                         + [("int4_wo", "Gemma2ForCausalLM"), ("int4_wo", "Qwen2ForCausalLM")])
 def test_logits_are_the_float_head_engines_to_the_heads_rounding(tiny, key, mode):
     """Prefill and decode within the mode's tolerance of the float32 engine, and within the head's own rounding
-    (int8 weights and activations per block: ~0.5% relative RMS on these tiny models) of the same mode's engine
-    with a float32 lm_head; visibly not equal to it (the table really is int8)."""
+    (int8 weights and activations per block: ~0.5% relative RMS on these tiny models; 2% on Gemma2, whose tied
+    embedding, scaled by sqrt(hidden), carries the table's rounding into every layer) of the same mode's engine with
+    a float32 lm_head; visibly not equal to it (the table really is int8). A wrong layout reads ~100%."""
     float_head = _logits(quant_engine(tiny, key, mode), BATCH)
     ref = _logits(tiny.engine(key), BATCH)
     prefill, tokens, decode = _logits(int8_head_engine(tiny, key, mode), BATCH)
     assert relative_rms(prefill, ref[0]) <= LOGITS_RELATIVE_RMS[mode]
-    assert 1e-4 < relative_rms(prefill, float_head[0]) < 0.02
-    assert 1e-4 < relative_rms(decode[:1], float_head[2][:1]) < 0.02
+    assert 1e-4 < relative_rms(prefill, float_head[0]) < 0.04
+    assert 1e-4 < relative_rms(decode[:1], float_head[2][:1]) < 0.04
 
 
 @pytest.mark.parametrize("key", [TIED, UNTIED])
