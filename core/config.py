@@ -106,7 +106,8 @@ class QuantConfig:
 when the KV cache is quantized, and `kv_cache` records its scales. `source_grid`: int4_wo / int4_awq found every
 projection of the checkpoint already on 4-bit blocks of 32 (a GGUF Q4_1 source) and kept them exactly instead of RTN
 or AWQ (quantization/weight_only.block_grid). `lm_head_dtype` bfloat16 stores lm_head (and a tied embedding) in
-bfloat16 for the engine's Bf16MatMul instead of float32 (not with quantize_lm_head)."""
+bfloat16 for the engine's Bf16MatMul instead of float32, int8 in blocks of 32 on llama.cpp's Q8_0 rule beside
+weight-only layers (neither with quantize_lm_head)."""
     mode: str | None = None
     kv_cache_dtype: str | None = None
     group_size: int | None = None

@@ -156,8 +156,8 @@ def resolve_lm_head_dtype(quant: QuantConfig, model: ModelConfig, *, backend: st
         return replace(quant, lm_head_dtype="bfloat16" if runs else "float32")
     if dtype not in LM_HEAD_DTYPES:
         raise EngineError(f"--lm-head-dtype {dtype!r} is not one of auto, {', '.join(LM_HEAD_DTYPES)}", usage=True)
-    blocker = {"bfloat16": lambda: _bf16_head_blocker(quant, model, backend, kernels),
-               "int8": lambda: _int8_head_blocker(quant, model, backend)}.get(dtype, lambda: None)()
+    blocker = (_bf16_head_blocker(quant, model, backend, kernels) if dtype == "bfloat16"
+               else _int8_head_blocker(quant, model, backend) if dtype == "int8" else None)
     if blocker is not None:
         raise EngineError(f"--lm-head-dtype {dtype}{blocker}", usage=True)
     return quant
