@@ -15,8 +15,8 @@ measurement in a process of its own). Steps, in order (names for --only / --skip
     bandwidth            memory read bandwidth (2 GiB torch sum), for the fp32 decode floor
     build-int8           wall time of `engine convert` (of the HF dir) + `engine build --dtype int8_wo`
     engine-<variant>     the engine session, one run() per step: fp32, int8, int4 (the defaults: lm_head int8,
-                         KV float16), -lmbf16 (lm_head bfloat16), -lm32-kv32 (both float32), -lmq (lm_head quantized too, as onnxruntime-genai
-                         does, KV float32), -kv16 / -kv8 (KV float16 / int8)
+                         KV float16), -lmbf16 (lm_head bfloat16), -lm32-kv32 (both float32), -lmq (lm_head
+                         quantized too, as onnxruntime-genai does, KV float32), -kv16 / -kv8 (KV float16 / int8)
     hf-fp32, hf-bf16     transformers generate (sdpa)
     ortgenai-<p>         onnxruntime-genai 0.18 Generator, int4 / int8 / fp32 from its model builder
     llamacpp-<gguf>      llama-cpp-python when installed (LLAMA_CPP_LIB_PATH is honoured, as in the anchors),

@@ -45,13 +45,18 @@ def weight_bytes_per_token(model: dict, bytes_per_weight: float = 4.0) -> int:
     return int((model["num_layers"] * per_layer + model["vocab_size"] * h) * bytes_per_weight)
 
 
+def floor_tok_s(read_GBps: float, weight_bytes: int) -> float:
+    """Tokens a second if a decode step only streamed its weights at the measured read bandwidth."""
+    return read_GBps * 1e9 / weight_bytes
+
+
 def fp32_floor(result: dict) -> dict | None:
     bw = ok(result, "bandwidth")
     if not bw or not result.get("model"):
         return None
     wb = weight_bytes_per_token(result["model"])
     return {"weight_bytes": wb, "read_GBps": bw["read_GBps"], "floor_ms": wb / (bw["read_GBps"] * 1e9) * 1e3,
-            "floor_tok_s": bw["read_GBps"] * 1e9 / wb}
+            "floor_tok_s": floor_tok_s(bw["read_GBps"], wb)}
 
 
 def _goal(goal: str, target: str, measured: str, value: float | None, passed: bool | None, *records) -> dict:
@@ -116,7 +121,7 @@ def goals(result: dict) -> list[dict]:
     floor = fp32_floor(result)
     goal = "fp32 decode b=1 vs bandwidth floor"
     paired = alternating_goal(result, goal, "alternating-fp32-floor", 0.9, unit="tok/s / GB/s",
-                              per_round=lambda tok_s, gbps: tok_s / (gbps * 1e9 / floor["weight_bytes"])) \
+                              per_round=lambda tok_s, gbps: tok_s / floor_tok_s(gbps, floor["weight_bytes"])) \
         if floor else None
     out += [paired] if paired else []
     for name, goal in (("engine-fp32", "  same, the single steps above" if paired else goal),

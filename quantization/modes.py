@@ -55,6 +55,8 @@ ACCURACY_LEVELS = (0, 1, 4)
 DEFAULT_ACCURACY_LEVEL = 4
 LM_HEAD_DTYPES = ("float32", "bfloat16", "int8")
 INT8_HEAD_GROUP = 32   # an int8 lm_head's blocks: llama.cpp's Q8_0 (weight_only.quantize_q8_0)
+# the blockers' message for --lm-head-dtype bfloat16 / int8 beside --quantize-lm-head
+_BOTH_HEAD_FLAGS = " and --quantize-lm-head both set lm_head's precision; pass one of them"
 
 
 def split_dtype(name: str) -> tuple[str, str | None]:
@@ -177,7 +179,7 @@ def head_quantization(quant: QuantConfig) -> tuple[int, int] | None:
 def _int8_head_blocker(quant: QuantConfig, model: ModelConfig, backend: str) -> str | None:
     """Why an int8 lm_head cannot be built here (the rest of the message after the flag), or None where it can."""
     if quant.quantize_lm_head:
-        return " and --quantize-lm-head both set lm_head's precision; pass one of them"
+        return _BOTH_HEAD_FLAGS
     if quant.mode not in WEIGHT_ONLY:
         return (f" is a weight-only lm_head and needs a weight-only --dtype ({' or '.join(WEIGHT_ONLY)}); this "
                 f"build's is {quant.mode or 'float32'}: pass one, or --lm-head-dtype bfloat16 or float32")
@@ -194,7 +196,7 @@ def _bf16_head_blocker(quant: QuantConfig, model: ModelConfig, backend: str, ker
     """Why a bfloat16 lm_head cannot be built here (the rest of the message after the flag), or None where it can:
     auto takes it exactly where this is None."""
     if quant.quantize_lm_head:
-        return " and --quantize-lm-head both set lm_head's precision; pass one of them"
+        return _BOTH_HEAD_FLAGS
     if backend != "onnxruntime":
         return (f" is the engine's own onnxruntime kernel (Bf16MatMul); this build's backend is {backend}: build "
                 "with --backend onnxruntime, or leave it out")

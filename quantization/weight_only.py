@@ -103,12 +103,12 @@ def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weigh
             raise EngineError(f"{name} is not on the 4-bit grid the rest of the checkpoint is on; convert the "
                               "model again, or build another --group-size")
         return kept
-    if scheme.q8_0:
-        return quantize_q8_0(weight, scheme.group_size, name=name)
     if scheme.bits not in (4, 8):
         raise EngineError(f"{scheme.bits}-bit weights are not supported; use 4 or 8")
     n, k = weight.shape
     check_group_size(scheme.group_size, k, name)
+    if scheme.q8_0:
+        return quantize_q8_0(weight, scheme.group_size)
     blocks = k // scheme.group_size
     packed = np.zeros((n, blocks, scheme.group_size * scheme.bits // 8), dtype=np.uint8)
     scales = np.zeros((n, blocks), dtype=np.float32)
@@ -120,16 +120,14 @@ def quantize(weight: np.ndarray, scheme: WeightOnlyScheme, *, name: str = "weigh
     return QuantizedWeight(packed, scales, scheme.bits, scheme.group_size)
 
 
-def quantize_q8_0(weight: np.ndarray, group_size: int, *, name: str = "weight") -> QuantizedWeight:
+def quantize_q8_0(weight: np.ndarray, group_size: int) -> QuantizedWeight:
     """int8 blocks on llama.cpp's Q8_0 rule: scale = max|w| / 127 per group, q = round(w / scale) in -127..127 (RTN's
     scale is the signed extreme / -128). The same bytes as RTN's int8 (implied zero point 128), so every int8
     kernel runs them; a table that is a GGUF's Q8_0 blocks (d * q, d a float16) comes back exactly, which RTN's
-    rule would move by up to half a step. Used for an int8 lm_head (QuantConfig.lm_head_dtype)."""
+    rule would move by up to half a step. Used for an int8 lm_head (QuantConfig.lm_head_dtype) through `quantize`
+    (WeightOnlyScheme.q8_0), which checks the weight's shape and the group size first."""
     w = np.asarray(weight, dtype=np.float32)
-    if w.ndim != 2:
-        raise EngineError(f"{name} has shape {tuple(w.shape)}; only 2-D [out, in] weights are quantized")
     n, k = w.shape
-    check_group_size(group_size, k, name)
     groups = w.reshape(n, k // group_size, group_size)
     scales = (np.abs(groups).max(axis=-1) / np.float32(127)).astype(np.float32)
     safe = np.where(scales > 0, scales, np.float32(1))
