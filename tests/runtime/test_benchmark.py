@@ -221,3 +221,18 @@ def test_benchmark_imports_no_torch(tiny_engine):
         "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork + exec carrying ru_maxrss is Linux's")
+def test_peak_rss_is_the_process_own_not_its_parents():
+    """A process started by a parent holding 600 MB reports its own peak: Linux carries ru_maxrss across fork and
+    exec, which made every child of a large benchmark driver read the driver's RSS."""
+    child = "from engine.runtime.benchmark import peak_rss_bytes; print(peak_rss_bytes())"
+    parent = ("import subprocess, sys\n"
+              "held = bytearray(600 * 2**20)\n"
+              "for i in range(0, len(held), 4096): held[i] = 1\n"
+              f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True,"
+              " check=True).stdout)\n")
+    r = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 0 < int(r.stdout.split()[-1]) < 400 * 2**20
