@@ -50,6 +50,7 @@ class EngineSession:
         slots = num_blocks * self.tokens_per_block
         self._binding = self._session.io_binding()
         self._logits = np.empty((build.max_batch_size, padded_vocab_size(model, 1)), dtype=np.float32)
+        self._logit_rows = -1   # rows of the logits output bound to self._logits
         self.kv_pool, self._pool_values = allocate_kv_pool(model.num_layers, slots, kv_size,
                                                            kv_pool_dtype(build.kv_cache_dtype))
         for name_in, (name_out, value) in self._pool_values.items():
@@ -64,8 +65,10 @@ class EngineSession:
             if name in self._input_names:
                 self._binding.bind_cpu_input(name, array)
         rows = len(inputs[LOGITS_INDICES])
-        self._binding.bind_output(LOGITS, "cpu", 0, np.float32, [rows, self._logits.shape[1]],
-                                  self._logits.ctypes.data)
+        if rows != self._logit_rows:   # the binding stays between runs: rebind only when the row count changes
+            self._binding.bind_output(LOGITS, "cpu", 0, np.float32, [rows, self._logits.shape[1]],
+                                      self._logits.ctypes.data)
+            self._logit_rows = rows
         self._session.run_with_iobinding(self._binding)
         return self._logits[:rows, :self.config.model.vocab_size].copy()
 

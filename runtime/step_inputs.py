@@ -57,14 +57,14 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_wind
     `max_rows` bounds the attention batch (a backend with a fixed batch range: TensorRT's profiles)."""
     if not chunks:
         raise EngineError("a step needs at least one sequence chunk")
-    q_len = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
-    if (q_len < 1).any():
-        raise EngineError(f"sequence chunk {int(np.argmin(q_len))} has no tokens; every chunk needs at least one")
-    start = np.array([c.start_pos for c in chunks], dtype=np.int64)
-    if (start < 0).any():
-        raise EngineError(f"start_pos {int(start.min())} is negative")
+    lengths, starts = [len(c.token_ids) for c in chunks], [c.start_pos for c in chunks]
+    if min(lengths) < 1:
+        raise EngineError(f"sequence chunk {lengths.index(min(lengths))} has no tokens; every chunk needs at least one")
+    if min(starts) < 0:
+        raise EngineError(f"start_pos {min(starts)} is negative")
+    q_len, start = np.array(lengths, dtype=np.int64), np.array(starts, dtype=np.int64)
     ctx_len = start + q_len
-    num_seqs, total = len(chunks), int(q_len.sum())
+    num_seqs, total = len(chunks), sum(lengths)
 
     # Block tables padded to [B, max blocks]; a table must cover every context position of its sequence.
     need = -(-ctx_len // tokens_per_block)
@@ -76,7 +76,42 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_wind
             raise EngineError(f"sequence chunk {b} has {len(c.block_table)} blocks for {int(ctx_len[b])} tokens; "
                               f"it needs {n} blocks of {tokens_per_block} tokens")
         tables[b, :n] = np.asarray(c.block_table[:n], dtype=np.int64)
+    if total == num_seqs:
+        return _decode_inputs(chunks, start, ctx_len, tables, tokens_per_block, sliding_window)
+    return _packed_inputs(chunks, q_len, start, tables, tokens_per_block, sliding_window, max_rows)
 
+
+def _decode_inputs(chunks: list[SeqChunk], start: np.ndarray, ctx_len: np.ndarray, tables: np.ndarray,
+                   tokens_per_block: int, sliding_window: int | None) -> dict[str, np.ndarray]:
+    """The inputs of a step of one new token per sequence (decodes), as _packed_inputs makes them (one row per
+    sequence, Qmax 1, query b seeing keys [0, ctx_len[b])) from a third of its array operations: a decode step
+    runs this after the weights have streamed through the caches, where each NumPy call costs several times its
+    warm time (a lone SmolLM2 decode: 0.28 ms cold, bench/NOTES.md entry 34)."""
+    num_seqs = len(chunks)
+    seqs = np.arange(num_seqs)
+    l = np.arange(int(ctx_len.max()))
+    visible = l[None, :] < ctx_len[:, None]                      # [B, Lmax]
+    kv_slots = np.where(visible, tables[:, l // tokens_per_block] * tokens_per_block + l % tokens_per_block, 0)
+    want = np.array([c.want_logits for c in chunks], dtype=bool)
+    inputs = {
+        INPUT_IDS: np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=num_seqs),
+        POSITIONS: start,
+        SLOT_MAPPING: kv_slots[seqs, start],
+        Q_INDEX: seqs[:, None],
+        KV_SLOTS: kv_slots,
+        ATTN_MASK: visible[:, None, None, :],
+        OUT_INDEX: seqs,
+        LOGITS_INDICES: seqs[want],
+    }
+    if sliding_window:
+        inputs[ATTN_MASK_SLIDING] = (visible & (l[None, :] > (start - sliding_window)[:, None]))[:, None, None, :]
+    return inputs
+
+
+def _packed_inputs(chunks: list[SeqChunk], q_len: np.ndarray, start: np.ndarray, tables: np.ndarray,
+                   tokens_per_block: int, sliding_window: int | None, max_rows: int | None) -> dict[str, np.ndarray]:
+    """Any step: the module docstring's packing of rows."""
+    num_seqs, total = len(chunks), int(q_len.sum())
     seq = np.repeat(np.arange(num_seqs), q_len)                  # [T] sequence of each packed token
     first = np.cumsum(q_len) - q_len                             # [B] packed index of each sequence's first token
     offset = np.arange(total) - first[seq]                       # [T] index within its chunk
