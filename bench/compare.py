@@ -21,9 +21,10 @@ measurement in a process of its own). Steps, in order (names for --only / --skip
     ortgenai-<p>         onnxruntime-genai 0.18 Generator, int4 / int8 / fp32 from its model builder
     llamacpp-<gguf>      llama-cpp-python when installed (LLAMA_CPP_LIB_PATH is honoured, as in the anchors),
                          the shipped Q4_1 GGUF, a Q8_0 of it made by llama.cpp's quantizer, and any --gguf given
-    alternating-<goal>   the decode goals again as --rounds alternating processes (engine-int4 / ortgenai-int4,
-                         engine-int8 / ortgenai-int8, engine-fp32 / bandwidth): the goals take the median of the
-                         per-round ratios, which carries less of the VM's drift than two steps minutes apart
+    alternating-<goal>   the decode goals again as --rounds turns of two processes loaded side by side, one run
+                         each a turn (engine-int4 / ortgenai-int4, engine-int8 / ortgenai-int8, engine-fp32 /
+                         bandwidth): the goals take the median of the per-round ratios, which carries less of the
+                         VM's drift than two steps minutes apart
     engine-api-<variant> the Python API (LLM.generate), timed like transformers' generate: fp32, int8, int4
     coldstart-<variant>  process start -> first generated token through LLM.stream, and `engine run` start to exit
 
@@ -43,6 +44,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
@@ -173,14 +175,43 @@ class Runner:
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     def alternating(self, a: tuple[str, dict, str], b: tuple[str, dict, str]) -> dict:
-        """--rounds rounds of worker a then worker b, each (kind, spec, figure) in a fresh process: a ratio of two
-        processes seconds apart carries less of this VM's drift (tens of percent between hours, bench/NOTES.md)
-        than one of steps minutes apart. The report takes the median of the per-round ratios."""
-        out = {"a": [], "b": [], "a_key": a[2], "b_key": b[2]}
-        for _ in range(self.args.rounds):
-            for side, (kind, spec, key) in (("a", a), ("b", b)):
-                out[side].append(self.worker(kind, spec)[key])
-        return out
+        """--rounds rounds of worker a then worker b, each (kind, spec, figure): both processes loaded and warm side
+        by side, taking turns one run at a time (compare_measure.take_turns), so the two figures of a round are
+        seconds apart: a ratio of them carries less of this VM's drift (its read bandwidth flips between ~40 and
+        ~75 GB/s within a minute, bench/NOTES.md entry 34) than one of steps minutes apart. The report takes the
+        median of the per-round ratios."""
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.args.threads)}
+        procs: dict[str, subprocess.Popen] = {}
+        watchdog = threading.Timer(self.args.step_timeout, lambda: [p.kill() for p in procs.values()])
+        watchdog.start()
+        try:
+            for side, (kind, spec, _) in (("a", a), ("b", b)):
+                procs[side] = subprocess.Popen(
+                    [sys.executable, str(HERE / "compare_measure.py"), kind, "--spec", json.dumps({**spec, "turns": 1})],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                    env=env)
+                self._turn_line(procs[side], kind, "READY")
+            out = {"a": [], "b": [], "a_key": a[2], "b_key": b[2]}
+            for _ in range(self.args.rounds):
+                for side, (kind, _, key) in (("a", a), ("b", b)):
+                    procs[side].stdin.write("go\n")
+                    procs[side].stdin.flush()
+                    out[side].append(json.loads(self._turn_line(procs[side], kind, "TURN ")[5:])[key])
+            return out
+        finally:
+            watchdog.cancel()
+            for p in procs.values():
+                p.kill()
+                p.wait()
+
+    def _turn_line(self, p: subprocess.Popen, kind: str, prefix: str) -> str:
+        """The worker's next stdout line starting with `prefix` (other output skipped); its stderr if it died."""
+        for line in p.stdout:
+            if line.startswith(prefix):
+                return line.rstrip("\n")
+        p.wait()
+        raise RuntimeError(f"{kind} worker stopped (exit status {p.returncode}) before its turn: "
+                           f"{p.stderr.read().strip()[-300:]}")
 
     def coldstart(self, engine_dir: Path) -> dict:
         """Spawn -> "FIRST" line of the child (LLM load + first token), and `engine run` start -> exit; one
@@ -327,8 +358,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens, at most 512 (default 512)")
     ap.add_argument("--new-tokens", type=int, default=128, help="decode steps timed (default 128)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; medians (default 3)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="alternating engine / peer rounds of the decode goals (default 3)")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="alternating engine / peer turns of the decode goals (default 7)")
     ap.add_argument("--only", help="comma-separated globs of step names to run (default: all)")
     ap.add_argument("--skip", help="comma-separated globs of step names to leave out")
     ap.add_argument("--gguf", action="append", default=[], help="another GGUF for llama.cpp (repeatable)")

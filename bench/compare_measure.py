@@ -31,12 +31,31 @@ Run = Callable[[int], tuple[float, float, list[int]]]
 
 
 def timed_runs(run: Run, spec: dict) -> dict:
-    """Warm up once, then time `repeats` runs; medians, every run, CPU use over the timed runs."""
+    """Warm up once, then time `repeats` runs; medians, every run, CPU use over the timed runs. With spec["turns"],
+    take turns instead (take_turns) and exit when told to."""
     run(min(4, spec["new_tokens"]))
+    if spec.get("turns"):
+        def one_run() -> dict:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            prefill, decode, tokens = run(spec["new_tokens"])
+            cpu_threads = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+            return summarize([prefill], [decode], tokens, spec, cpu_threads)
+        take_turns(one_run)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     results = [run(spec["new_tokens"]) for _ in range(spec["repeats"])]
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     return summarize([r[0] for r in results], [r[1] for r in results], results[-1][2], spec, cpu / wall)
+
+
+def take_turns(measure: Callable[[], dict]) -> None:
+    """The worker side of compare.py's alternating goals: print READY once loaded and warm, then one measurement
+    (a TURN line of JSON) for each "go" line on stdin, while the peer worker waits its turn idle; exit at EOF. Two
+    workers loaded side by side and taking turns measure seconds apart, without a process start in between."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "go":
+            print("TURN " + json.dumps(measure()), flush=True)
+    sys.exit(0)
 
 
 def summarize(prefill: list[float], decode: list[float], tokens: list[int], spec: dict, cpu_threads: float) -> dict:
@@ -204,6 +223,9 @@ def measure_bandwidth(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     n = spec.get("bandwidth_mib", 2048) * 2**20 // 4
     a = torch.ones(n, dtype=torch.float32)
+    if spec.get("turns"):
+        a.sum()
+        take_turns(lambda: {"read_GBps": round(n * 4 / min(_seconds(a.sum) for _ in range(3)) / 1e9, 2)})
     b = torch.empty_like(a)
 
     def med(fn) -> float:
@@ -219,6 +241,12 @@ def measure_bandwidth(spec: dict) -> dict:
     copy = 2 * n * 4 / med(lambda: b.copy_(a)) / 1e9
     return {"read_GBps": round(read, 2), "copy_GBps": round(copy, 2), "bytes": n * 4,
             "versions": {"torch": torch.__version__}}
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def coldstart_child(spec: dict) -> None:

@@ -84,7 +84,7 @@ def alternating_goal(result: dict, goal: str, name: str, target: float, per_roun
     ratios = sorted(per_round(a, b) for a, b in zip(rec["a"], rec["b"]))
     ratio = statistics.median(ratios)
     shown = lambda xs: ", ".join(f"{x:g}" for x in xs)   # noqa: E731
-    measured = (f"{shown(rec['a'])} / {shown(rec['b'])} {unit} in {len(ratios)} alternating rounds: "
+    measured = (f"{shown(rec['a'])} / {shown(rec['b'])} {unit} in {len(ratios)} alternating turns: "
                 f"{', '.join(f'{x:.2f}' for x in ratios)}, median {ratio:.2f}x")
     return _goal(goal, f">= {target}x", measured, ratio, ratio >= target, rec)
 
