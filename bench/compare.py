@@ -186,10 +186,10 @@ class Runner:
         watchdog.start()
         try:
             for side, (kind, spec, _) in (("a", a), ("b", b)):
-                procs[side] = subprocess.Popen(
-                    [sys.executable, str(HERE / "compare_measure.py"), kind, "--spec", json.dumps({**spec, "turns": 1})],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                    env=env)
+                cmd = [sys.executable, str(HERE / "compare_measure.py"), kind,
+                       "--spec", json.dumps({**spec, "turns": 1})]
+                procs[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
                 self._turn_line(procs[side], kind, "READY")
             out = {"a": [], "b": [], "a_key": a[2], "b_key": b[2]}
             for _ in range(self.args.rounds):
