@@ -32,19 +32,18 @@ Run = Callable[[int], tuple[float, float, list[int]]]
 
 def timed_runs(run: Run, spec: dict) -> dict:
     """Warm up once, then time `repeats` runs; medians, every run, CPU use over the timed runs. With spec["turns"],
-    take turns instead (take_turns) and exit when told to."""
+    one timed run a turn instead (take_turns), until told to stop."""
     run(min(4, spec["new_tokens"]))
+
+    def timed(repeats: int) -> dict:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        results = [run(spec["new_tokens"]) for _ in range(repeats)]
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        return summarize([r[0] for r in results], [r[1] for r in results], results[-1][2], spec, cpu / wall)
+
     if spec.get("turns"):
-        def one_run() -> dict:
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-            prefill, decode, tokens = run(spec["new_tokens"])
-            cpu_threads = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-            return summarize([prefill], [decode], tokens, spec, cpu_threads)
-        take_turns(one_run)
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    results = [run(spec["new_tokens"]) for _ in range(spec["repeats"])]
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    return summarize([r[0] for r in results], [r[1] for r in results], results[-1][2], spec, cpu / wall)
+        take_turns(lambda: timed(1))
+    return timed(spec["repeats"])
 
 
 def take_turns(measure: Callable[[], dict]) -> None:
@@ -224,10 +223,6 @@ def measure_bandwidth(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     n = spec.get("bandwidth_mib", 2048) * 2**20 // 4
     a = torch.ones(n, dtype=torch.float32)
-    if spec.get("turns"):
-        a.sum()
-        take_turns(lambda: {"read_GBps": round(n * 4 / min(_seconds(a.sum) for _ in range(3)) / 1e9, 2)})
-    b = torch.empty_like(a)
 
     def med(fn) -> float:
         fn()
@@ -238,16 +233,13 @@ def measure_bandwidth(spec: dict) -> dict:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts)
 
+    if spec.get("turns"):
+        take_turns(lambda: {"read_GBps": round(n * 4 / med(a.sum) / 1e9, 2)})
+    b = torch.empty_like(a)
     read = n * 4 / med(lambda: a.sum()) / 1e9
     copy = 2 * n * 4 / med(lambda: b.copy_(a)) / 1e9
     return {"read_GBps": round(read, 2), "copy_GBps": round(copy, 2), "bytes": n * 4,
             "versions": {"torch": torch.__version__}}
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def coldstart_child(spec: dict) -> None:
