@@ -176,7 +176,7 @@ def main() -> None:
                 print(f"baseline run {i}: {base[-1]['output_tok_s']:.1f} output tok/s", file=sys.stderr)
         if proc is not None:
             from serve_memory import server_memory
-            memory = server_memory(proc.pid, args.engine_dir, max_kv)
+            memory = server_memory(proc.pid, url, args.engine_dir)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -21,7 +21,8 @@ most recently freed of them first, and evicts the least recently freed cached bl
 Most recently freed first because the pool's memory is mapped lazily: a block no request has written yet costs
 its page faults on first write (~3.5 ms a block of SmolLM2 at int4 on the 2-core VM, ~30% of a 512-token
 prefill when every request took fresh blocks; bench/NOTES.md entry 32), and a block freed a moment ago is
-resident and likely still in cache. Blocks are only ever written by the
+resident and likely still in cache (`BlockPool.num_touched` counts the blocks taken at least once since start:
+the part of the pool the process has paid for in memory). Blocks are only ever written by the
 request that took them fresh: a hit covers whole blocks and stops at least one token short of the prompt.
 """
 from __future__ import annotations
@@ -63,6 +64,8 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()   # free but cached; least recently freed first
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
+        self._taken_once = bytearray(num_blocks)   # 1: the block has held KV since start (its pages are touched)
+        self.num_touched = 0
 
     @property
     def num_free(self) -> int:
@@ -83,6 +86,9 @@ class BlockPool:
                 del self._by_hash[self._hash_of.pop(b)]
             assert self.ref_counts[b] == 0, b
             self.ref_counts[b] = 1
+            if not self._taken_once[b]:
+                self._taken_once[b] = 1
+                self.num_touched += 1
             ids.append(b)
         return ids
 

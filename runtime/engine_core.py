@@ -86,7 +86,8 @@ class EngineCore:
         sched, blocks = self.scheduler, self.blocks
         return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_usage=blocks.usage,
                            num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
-                           num_cached_blocks=blocks.pool.num_cached, preemptions=sched.stats.num_preemptions,
+                           num_cached_blocks=blocks.pool.num_cached, num_touched_blocks=blocks.pool.num_touched,
+                           preemptions=sched.stats.num_preemptions,
                            prefix_cache_queries=sched.stats.prefix_cache_queries,
                            prefix_cache_hits=sched.stats.prefix_cache_hits, num_steps=self.stats.num_steps)
 

@@ -3,6 +3,10 @@
     vllm:num_requests_running / vllm:num_requests_waiting       gauges, read from the scheduler at scrape time
     vllm:kv_cache_usage_perc (and its old name gpu_cache_usage_perc)  fraction of KV blocks in use, 0..1
     vllm:num_preemptions_total                                  counter (recompute preemptions since start)
+    engine:kv_cache_pool_bytes / engine:kv_cache_touched_bytes  gauges (no vLLM name): the pool allocated, and
+                                                                the part of it that has held KV since start (the
+                                                                pool's pages are mapped on first write, so this
+                                                                is what of it counts in the process's RSS)
     vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   counters, in tokens
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds,
     vllm:request_time_per_output_token_seconds                  histograms (vLLM's buckets)
@@ -59,6 +63,10 @@ class _EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (deprecated name of kv_cache_usage_perc).",
                     s.kv_usage)
+        block_bytes = llm.kv_plan.bytes_per_block
+        yield gauge("engine:kv_cache_pool_bytes", "Bytes of the KV-cache pool allocated.", s.num_blocks * block_bytes)
+        yield gauge("engine:kv_cache_touched_bytes", "Bytes of the KV-cache pool's blocks that have held KV since "
+                    "start.", s.num_touched_blocks * block_bytes)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.preemptions)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       s.prefix_cache_queries)

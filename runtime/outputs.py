@@ -71,6 +71,7 @@ class EngineStats:
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int               # blocks named in the prefix cache, held or free
+    num_touched_blocks: int              # blocks that have held KV since start (their memory is resident)
     preemptions: int                     # recompute preemptions since start
     prefix_cache_queries: int            # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int               # of those, tokens found (not computed)

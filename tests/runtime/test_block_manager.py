@@ -34,6 +34,21 @@ def test_freed_blocks_are_taken_again_before_untouched_ones():
         bm.free(r)
     bm.check_all_free()
 
+
+def test_touched_blocks_count_each_block_once_and_survive_frees():
+    """num_touched: the blocks that have held KV since start (what of the lazily mapped pool is resident), with
+    cached blocks evicted and reused, and blocks freed, counted once each."""
+    bm = BlockManager(num_blocks=6, tokens_per_block=2)
+    assert bm.pool.num_touched == 0
+    bm.allocate_slots("a", 6, token_ids=[1, 2, 3, 4, 5, 6])            # 3 full blocks, cached
+    bm.free("a")
+    assert bm.pool.num_touched == 3 and bm.num_free_blocks == 6
+    bm.allocate_slots("b", 8, token_ids=[9, 9, 9, 9, 9, 9, 9, 9])      # 3 untouched, then evicts one cached
+    assert bm.pool.num_touched == 6
+    bm.free("b")
+    bm.allocate_slots("c", 12)
+    assert bm.pool.num_touched == 6
+
 def test_reference_counts_on_fork():
     bm = BlockManager(num_blocks=3, tokens_per_block=2)
     bm.allocate_slots("parent", 4)

@@ -166,3 +166,9 @@ def test_metrics_use_vllm_names_and_count_requests(server, client):
     assert grew["vllm:request_success_total{finished_reason=length}"] == 3
     # the same prompt three times: the prefix cache was queried and hit
     assert grew["vllm:prefix_cache_queries_total"] > 0 and grew["vllm:prefix_cache_hits_total"] > 0
+    plan = server.state.llm.kv_plan
+    assert after["engine:kv_cache_pool_bytes"] == plan.num_bytes
+    # every request's blocks were freed, but the pool's memory they touched stays resident: at least one
+    # request's blocks (the prompt three times is one request's worth; the others hit its prefix)
+    one_request = -(-len(server.state.llm.tokenizer.encode(PROMPT * 3)) // plan.tokens_per_block)
+    assert plan.bytes_per_block * one_request <= after["engine:kv_cache_touched_bytes"] < plan.num_bytes
