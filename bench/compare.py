@@ -25,6 +25,10 @@ measurement in a process of its own). Steps, in order (names for --only / --skip
                          each a turn (engine-int4 / ortgenai-int4, engine-int8 / ortgenai-int8, engine-fp32 /
                          bandwidth): the goals take the median of the per-round ratios, which carries less of the
                          VM's drift than two steps minutes apart
+    serve-int4           --serve-streams (32) concurrent streams through `engine serve` (engine-int4) against
+                         onnxruntime-genai int4 in batches of 8, 128 tokens in and out, one untimed round each
+                         then --serve-rounds (3) rounds, and the server's memory after them
+                         (bench/serve_vs_genai.py, bench/serve_memory.py)
     engine-api-<variant> the Python API (LLM.generate), timed like transformers' generate: fp32, int8, int4
     coldstart-<variant>  process start -> first generated token through LLM.stream, and `engine run` start to exit
 
@@ -62,6 +66,7 @@ PROMPT_IDS = HERE / "prompt_ids.json"
 API_VARIANTS = ("fp32", "int8", "int4")
 COLDSTART_VARIANTS = ("fp32", "int8", "int4")
 COLDSTART_TEXT = "What is the capital of France?"
+SERVE = {"genai_batch": 8, "input_len": 128, "output_len": 128}   # the serving goal's shape (issue #7)
 PACKAGES = ("engine", "onnxruntime", "onnxruntime-genai", "onnx", "numpy", "torch", "transformers",
             "llama-cpp-python", "tokenizers")
 
@@ -154,7 +159,7 @@ class Runner:
         rec.update(load_before=round(before, 2), load_after=round(after, 2), elapsed_s=round(time.perf_counter() - t0, 1),
                    busy=max(before, after) > self.busy_load)
         shown = {k: rec[k] for k in ("prefill_tok_s", "decode_tok_s", "total_s", "first_token_s", "read_GBps",
-                                     "note") if k in rec}
+                                     "ratio", "note") if k in rec}
         print(f"   {rec['status']} {json.dumps(shown)} load {before:.2f} -> {after:.2f} ({rec['elapsed_s']} s)",
               flush=True)
         if rec["busy"]:
@@ -251,7 +256,8 @@ def run_all(args: argparse.Namespace) -> dict:
     result = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
               "settings": {"threads": args.threads, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                           "repeats": args.repeats, "rounds": args.rounds, "busy_load": args.threads + 0.5,
+                           "repeats": args.repeats, "rounds": args.rounds, "serve_rounds": args.serve_rounds,
+                           "serve_streams": args.serve_streams, "busy_load": args.threads + 0.5,
                            "prompt_ids": "bench/prompt_ids.json"},
               "machine": machine(), "versions": versions(), "model": None}
     r = Runner(args, save=lambda: write(args, result, t0, partial=True))
@@ -316,6 +322,15 @@ def run_all(args: argparse.Namespace) -> dict:
            f"engine-fp32 / bandwidth, {args.rounds} rounds",
            lambda: r.alternating(engine_side("fp32"), ("bandwidth", r.spec(), "read_GBps")))
 
+    r.step("serve-int4", "engine serve vs onnxruntime-genai",
+           f"engine-int4, {args.serve_streams} streams / ortgenai-int4, batch {SERVE['genai_batch']}; "
+           f"{SERVE['input_len']} in, {SERVE['output_len']} out, {args.serve_rounds} rounds",
+           lambda: r.worker("serve", {"threads": args.threads, **SERVE, "streams": args.serve_streams,
+                                      "rounds": args.serve_rounds,
+                                      "engine_dir": str(models.ensure_engine(cache, source, "int4", **build_opts)),
+                                      "model_dir": str(models.ensure_ortgenai(cache, hf_dir, "int4", og))}),
+           missing=no_og or no_hf)
+
     # The engine's secondary measurements come after the peers, so engines and peers run close together in time.
     for variant in API_VARIANTS:
         r.step(f"engine-api-{variant}", "engine (LLM.generate)", models.ENGINE_VARIANTS[variant][1],
@@ -360,6 +375,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; medians (default 3)")
     ap.add_argument("--rounds", type=int, default=7,
                     help="alternating engine / peer turns of the decode goals (default 7)")
+    ap.add_argument("--serve-rounds", type=int, default=3,
+                    help="timed rounds of the serving goal after its warm-up round (default 3)")
+    ap.add_argument("--serve-streams", type=int, default=32, help="concurrent streams of the serving goal (32)")
     ap.add_argument("--only", help="comma-separated globs of step names to run (default: all)")
     ap.add_argument("--skip", help="comma-separated globs of step names to leave out")
     ap.add_argument("--gguf", action="append", default=[], help="another GGUF for llama.cpp (repeatable)")
@@ -383,8 +401,8 @@ def main() -> None:
         return
     if not 1 <= args.prompt_len <= 512:
         ap.error(f"--prompt-len {args.prompt_len} must be in [1, 512] (bench/prompt_ids.json holds 512 tokens)")
-    if min(args.new_tokens, args.repeats, args.threads, args.rounds) < 1:
-        ap.error("--new-tokens, --repeats, --threads and --rounds must be at least 1")
+    if min(args.new_tokens, args.repeats, args.threads, args.rounds, args.serve_rounds, args.serve_streams) < 1:
+        ap.error("--new-tokens, --repeats, --threads, --rounds, --serve-rounds and --serve-streams must be at least 1")
     result = run_all(args)
     print(report.goals_table(result["goals"]))
     busy = [rec["name"] for rec in result["records"] if rec.get("busy")]

@@ -2,7 +2,7 @@
 
     python bench/compare_measure.py KIND --spec '{"threads": 2, "prompt_len": 512, ...}'
 
-KIND is engine | engine-api | hf | ortgenai | llamacpp | bandwidth | coldstart-child. The last line of stdout is
+KIND is engine | engine-api | hf | ortgenai | llamacpp | bandwidth | serve | coldstart-child. The last line of stdout is
 one JSON object (the record). Each measurement gets its own process so that no library's thread pool, arena or
 import (torch next to onnxruntime) changes another's numbers, and so that a peer that crashes (llama.cpp's AMX
 path segfaults on some CPUs) costs one row, not the run.
@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -242,6 +243,15 @@ def measure_bandwidth(spec: dict) -> dict:
             "versions": {"torch": torch.__version__}}
 
 
+def measure_serve(spec: dict) -> dict:
+    """bench/serve_vs_genai.py's serve_pair: `streams` concurrent streams through `engine serve` (a child process)
+    against onnxruntime-genai in batches of `genai_batch` (in this one), and the server's memory."""
+    from serve_vs_genai import serve_pair
+    return serve_pair(Path(spec["engine_dir"]), Path(spec["model_dir"]), streams=spec["streams"],
+                      genai_batch=spec["genai_batch"], input_len=spec["input_len"], output_len=spec["output_len"],
+                      threads=spec["threads"], rounds=spec["rounds"])
+
+
 def coldstart_child(spec: dict) -> None:
     """Load the engine through the public API and print FIRST the moment the first token is generated. The
     parent times from its spawn of this process to that line, so interpreter start and imports are counted."""
@@ -255,7 +265,7 @@ def coldstart_child(spec: dict) -> None:
 
 
 MEASURES = {"engine": measure_engine, "engine-api": measure_engine_api, "hf": measure_hf,
-            "ortgenai": measure_ortgenai, "llamacpp": measure_llamacpp, "bandwidth": measure_bandwidth}
+            "ortgenai": measure_ortgenai, "llamacpp": measure_llamacpp, "bandwidth": measure_bandwidth, "serve": measure_serve}
 
 
 def main() -> None:

@@ -11,6 +11,9 @@ Goals (issue #7), each a ratio or a bound with pass / miss:
     prefill      the best engine variant >= 1.2x transformers bf16
     fp32 decode  >= 0.9x the bandwidth floor: read bandwidth / fp32 weight bytes streamed per token (alternating
                  rounds too: each round's decode over the bandwidth measured next to it)
+    serving      32 concurrent streams through `engine serve` (engine int4) >= 3x onnxruntime-genai int4 at batch 8
+                 in output tokens/s (the median of per-round ratios), and the server's peak RSS after them
+                 <= engine weights + KV pool + 300 MB
     cold start   process start -> first generated token <= 1 s (the slowest engine variant measured)
     build        engine convert + engine build --dtype int8_wo <= 60 s
 """
@@ -133,6 +136,7 @@ def goals(result: dict) -> list[dict]:
                              f"{share:.2f}x", share, share >= 0.9, fp32, ok(result, "bandwidth")))
         else:
             out.append(_goal(goal, ">= 0.9x", f"{name} or bandwidth not measured", None, None))
+    out += serve_goals(result)
     cold = [r for r in result["records"] if r["name"].startswith("coldstart-") and r.get("status") == "ok"]
     if cold:
         worst = max(cold, key=lambda r: r["first_token_s"])
@@ -145,6 +149,50 @@ def goals(result: dict) -> list[dict]:
     out.append(_goal("convert + int8 build of SmolLM2", "<= 60 s",
                      f"{b['convert_s']:.1f} + {b['build_s']:.1f} = {b['total_s']:.1f} s" if b else "not measured",
                      b["total_s"] if b else None, b["total_s"] <= 60 if b else None, b))
+    return out
+
+
+def serve_goals(result: dict) -> list[dict]:
+    """The serving throughput and memory goals from the serve-int4 step."""
+    rec = ok(result, "serve-int4")
+    s = result["settings"]
+    goal = (f"{s.get('serve_streams', 32)} concurrent streams through engine serve (engine int4) vs onnxruntime-genai "
+            "int4 at batch 8, output tok/s")
+    memory_goal = "serving memory: engine serve's peak RSS after those streams"
+    if not rec:
+        return [_goal(goal, ">= 3x", "serve-int4 not measured", None, None),
+                _goal(memory_goal, "<= weights + KV pool + 300 MB", "serve-int4 not measured", None, None)]
+    shown = lambda runs: ", ".join(f"{x['output_tok_s']:.1f}" for x in runs)   # noqa: E731
+    measured = (f"{shown(rec['engine_runs'])} / {shown(rec['genai_runs'])} tok/s in {len(rec['ratios'])} rounds: "
+                f"{', '.join(f'{x:.2f}' for x in sorted(rec['ratios']))}, median {rec['ratio']:.2f}x")
+    m = rec["server_memory"]
+    mem = (f"{m['peak_rss_MB']} MB = weights {m['weights_MB']} + KV touched {m['kv_touched_MB']} (pool "
+           f"{m['kv_pool_MB']}) + overhead {m['overhead_MB']} MB; budget {m['budget_MB']} MB")
+    return [_goal(goal, ">= 3x", measured, rec["ratio"], rec["ratio"] >= 3, rec),
+            _goal(memory_goal, "<= weights + KV pool + 300 MB", mem, m["peak_rss_MB"], m["pass"], rec)]
+
+
+def serve_section(result: dict) -> list[str]:
+    rec = next((r for r in result["records"] if r["name"] == "serve-int4"), None)
+    if not rec:
+        return []
+    out = ["## Serving", "", f"`{rec['variant']}`: every prompt random token ids, /v1/completions streams "
+           "(greedy, ignore_eos) sent at once to `engine serve`, against onnxruntime-genai generating the same "
+           "prompts in batches (one Generator a batch); output tokens over the wall time of each round, one untimed "
+           "round each first (bench/serve_vs_genai.py). The server's memory is read after the last round "
+           "(bench/serve_memory.py: KV pool and touched from its /metrics).", ""]
+    if rec.get("status") != "ok":
+        return out + [f"{rec['status']}: {rec.get('note', '')}", ""]
+    out += ["| round | engine serve tok/s | TTFT P50 / P99 ms | TPOT P50 / P99 ms | ITL P50 / P99 ms | "
+            "onnxruntime-genai tok/s | ratio |", "|---|---:|---|---|---|---:|---:|"]
+    for i, (e, g, x) in enumerate(zip(rec["engine_runs"], rec["genai_runs"], rec["ratios"]), 1):
+        out.append(f"| {i} | {e['output_tok_s']:.1f} | {e['ttft_p50_ms']:.0f} / {e['ttft_p99_ms']:.0f} | "
+                   f"{e['tpot_p50_ms']:.1f} / {e['tpot_p99_ms']:.1f} | {e['itl_p50_ms']:.1f} / {e['itl_p99_ms']:.1f} | "
+                   f"{g['output_tok_s']:.1f} | {x:.2f} |")
+    m = rec["server_memory"]
+    out += ["", f"Server memory: RSS {m['rss_MB']} MB, peak {m['peak_rss_MB']} MB; weights {m['weights_MB']} MB, KV "
+            f"pool {m['kv_pool_MB']} MB of which {m['kv_touched_MB']} MB touched; load {rec['load_before']} → "
+            f"{rec['load_after']}.", ""]
     return out
 
 
@@ -178,7 +226,7 @@ def throughput_table(result: dict) -> str:
              "CPU threads used | peak RSS MB | first tokens = HF fp32 | load 1-min before → after |",
              "|---|---|---|---:|---:|---|---|---:|---:|---:|---|"]
     for r in result["records"]:
-        if r["name"].startswith(("bandwidth", "build", "coldstart", "alternating")):
+        if r["name"].startswith(("bandwidth", "build", "coldstart", "alternating", "serve")):
             continue
         if r.get("status") != "ok":
             lines.append(f"| {r['name']} | {r['system']} | {r['variant']} | {r['status']} | | | | | | | "
@@ -241,6 +289,7 @@ def markdown(result: dict) -> str:
             "argmax, as the scheduler calls it); `engine-api-*` go through `LLM.generate` (scheduler, sampler, "
             "detokenizer). \"CPU threads used\" = process CPU time / wall time over the timed runs.", "",
             throughput_table(result), "", ratio_tables(result), ""]
+    out += serve_section(result)
     cold = [r for r in result["records"] if r["name"].startswith("coldstart-")]
     if cold:
         out += ["## Cold start", "",

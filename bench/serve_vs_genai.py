@@ -3,16 +3,18 @@ onnxruntime-genai generating a batch of 8, on the same prompts, same lengths, sa
 
     .venv/bin/python bench/serve_vs_genai.py --pair .cache/bench/engines/int4-lmq=.cache/bench/ortgenai-0.18.0/int4 \
         [--pair ENGINE_DIR=GENAI_DIR ...] [--streams 32] [--genai-batch 8] [--input-len 128] [--output-len 128]
-        [--threads 2] [--repeats 2]
+        [--threads 2] [--rounds 3]
 
 Engine: `engine serve` started by bench/serve.py's start_server, `streams` prompts sent at once as
 /v1/completions streams (greedy, ignore_eos), total output tokens over the wall time of the whole round.
 onnxruntime-genai: prompts in batches of `genai_batch` (one Generator each: append_tokens of the [batch, input_len]
 ids, then generate_next_token until every row has `output_len` new tokens), total output tokens over the wall
 time of all batches, so both sides produce the same tokens from the same prompts. Prompts are random token ids of
-equal length (no padding on either side); each repeat uses fresh ones (the server keeps its prefix cache).
-Medians over --repeats; writes bench/results/serve_vs_genai.json. bench/compare.py builds the engines and the
-onnxruntime-genai models under .cache/bench.
+equal length (no padding on either side); each round uses fresh ones (the server keeps its prefix cache).
+One untimed round each first, then --rounds rounds; the ratio is the median of the per-round ratios, and the
+server's memory after the last round is checked against the serving-memory goal (bench/serve_memory.py). Writes
+bench/results/serve_vs_genai.json. bench/compare.py runs the same measurement as its serve step, and builds the
+engines and the onnxruntime-genai models under .cache/bench.
 """
 from __future__ import annotations
 
@@ -58,6 +60,41 @@ def engine_round(url: str, prompts: list[list[int]], output_len: int) -> dict:
     return asyncio.run(run_clients(url, "bench", prompts, output_len, concurrency=len(prompts)))
 
 
+def serve_pair(engine_dir: Path, genai_dir: Path, *, streams: int, genai_batch: int, input_len: int,
+               output_len: int, threads: int, rounds: int, seed: int = 0) -> dict:
+    """One untimed round on each side (the server's first round maps its KV pool's pages, onnxruntime-genai's
+    first batch its buffers), then `rounds` rounds of engine then peer on the same fresh prompts. The ratio is
+    the median of the per-round ratios; the server's memory is read after the last round (bench/serve_memory)."""
+    from engine.runtime.engine_dir import load_engine_config
+    from serve_memory import server_memory
+    cfg = load_engine_config(engine_dir)
+    rng = np.random.default_rng(seed)
+    vocab = min(cfg.model.vocab_size, 30000)
+    max_kv = max(streams * (input_len + output_len + 32), cfg.build.max_seq_len)
+    prompt_sets = [[rng.integers(100, vocab, input_len).tolist() for _ in range(streams)] for _ in range(rounds + 1)]
+    ours, peer = [], []
+    proc, url = start_server(engine_dir, max_kv, threads)
+    try:
+        for i, prompts in enumerate(prompt_sets):    # interleaved, so drifting load hits both
+            e = engine_round(url, prompts, output_len)
+            g = genai_round(genai_dir, prompts, genai_batch, output_len, threads)
+            print(f"{'warm-up' if i == 0 else f'round {i}'}: {engine_dir.name} {e['output_tok_s']:.1f} tok/s, "
+                  f"genai {genai_dir.name} {g['output_tok_s']:.1f} tok/s", file=sys.stderr)
+            if i:
+                ours.append(e)
+                peer.append(g)
+        memory = server_memory(proc.pid, url, engine_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, peer)]
+    return {"engine": str(engine_dir), "genai": str(genai_dir), "max_kv_tokens": max_kv,
+            "engine_tok_s": statistics.median(r["output_tok_s"] for r in ours),
+            "genai_tok_s": statistics.median(r["output_tok_s"] for r in peer),
+            "ratios": ratios, "ratio": statistics.median(ratios), "engine_runs": ours, "genai_runs": peer,
+            "server_memory": memory}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", action="append", required=True, help="ENGINE_DIR=GENAI_MODEL_DIR")
@@ -66,38 +103,22 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (default 3)")
     args = ap.parse_args()
-    rng = np.random.default_rng(0)
     rows = []
     for pair in args.pair:
         engine_dir, genai_dir = (Path(p) for p in pair.split("=", 1))
-        from engine.runtime.engine_dir import load_engine_config
-        cfg = load_engine_config(engine_dir)
-        max_kv = max(args.streams * (args.input_len + args.output_len + 32), cfg.build.max_seq_len)
-        rounds = [[rng.integers(100, 30000, args.input_len).tolist() for _ in range(args.streams)]
-                  for _ in range(args.repeats)]
-        ours, peer = [], []
-        proc, url = start_server(engine_dir, max_kv, args.threads)
-        try:
-            for i, prompts in enumerate(rounds):    # interleaved, so drifting load hits both
-                ours.append(engine_round(url, prompts, args.output_len))
-                print(f"{engine_dir.name} round {i}: {ours[-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
-                peer.append(genai_round(genai_dir, prompts, args.genai_batch, args.output_len, args.threads))
-                print(f"genai {genai_dir.name} round {i}: {peer[-1]['output_tok_s']:.1f} tok/s", file=sys.stderr)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-        e = statistics.median(r["output_tok_s"] for r in ours)
-        g = statistics.median(r["output_tok_s"] for r in peer)
-        rows.append({"engine": str(engine_dir), "genai": str(genai_dir), "engine_tok_s": e, "genai_tok_s": g,
-                     "ratio": e / g, "engine_runs": ours, "genai_runs": peer})
+        rows.append(serve_pair(engine_dir, genai_dir, streams=args.streams, genai_batch=args.genai_batch,
+                               input_len=args.input_len, output_len=args.output_len, threads=args.threads,
+                               rounds=args.rounds))
     print(f"\n{args.streams} streams through engine serve vs onnxruntime-genai batch {args.genai_batch}; "
-          f"{args.input_len} in / {args.output_len} out, {args.threads} threads, median of {args.repeats}:")
-    print("| engine | onnxruntime-genai | engine tok/s | genai tok/s | ratio (goal >= 3x) |\n|---|---|---|---|---|")
+          f"{args.input_len} in / {args.output_len} out, {args.threads} threads, median of {args.rounds} rounds:")
+    print("| engine | onnxruntime-genai | engine tok/s | genai tok/s | ratio (goal >= 3x) | server peak RSS / "
+          "budget MB |\n|---|---|---|---|---|---|")
     for r in rows:
+        m = r["server_memory"]
         print(f"| {r['engine']} | {r['genai']} | {r['engine_tok_s']:.1f} | {r['genai_tok_s']:.1f} | "
-              f"{r['ratio']:.2f}x |")
+              f"{r['ratio']:.2f}x | {m['peak_rss_MB']} / {m['budget_MB']} |")
     out = Path(__file__).parent / "results" / "serve_vs_genai.json"
     out.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)

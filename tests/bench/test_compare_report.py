@@ -96,3 +96,37 @@ def test_alternating_rounds_decide_the_decode_goals():
     assert "decode b=1: engine int8 (default build: lm_head int8, KV float16) vs onnxruntime-genai int8" in goals
     res["goals"] = report.goals(res)
     assert "median 1.40x" in report.markdown(res)   # the rounds are no row of the throughput table
+
+
+def serve_record(engine_tok_s, genai_tok_s, peak_mb, budget_mb):
+    run = {"ttft_p50_ms": 900.0, "ttft_p99_ms": 1200.0, "tpot_p50_ms": 40.0, "tpot_p99_ms": 45.0,
+           "itl_p50_ms": 39.0, "itl_p99_ms": 60.0}
+    ratios = [a / b for a, b in zip(engine_tok_s, genai_tok_s)]
+    return {"name": "serve-int4", "system": "engine serve vs onnxruntime-genai", "variant": "engine-int4, 32 streams",
+            "status": "ok", "engine_runs": [{"output_tok_s": x, **run} for x in engine_tok_s],
+            "genai_runs": [{"output_tok_s": x} for x in genai_tok_s], "ratios": ratios,
+            "ratio": sorted(ratios)[len(ratios) // 2], "load_before": 0, "load_after": 0,
+            "server_memory": {"rss_MB": peak_mb - 10, "peak_rss_MB": peak_mb, "weights_MB": 100.0, "kv_pool_MB": 120.0,
+                              "kv_touched_MB": 80.0, "overhead_MB": peak_mb - 180.0, "budget_MB": budget_mb,
+                              "pass": peak_mb <= budget_mb}}
+
+
+def test_serving_goals_from_the_serve_step():
+    """The serving goal is the median per-round ratio of output tokens/s (3.1x here: 620/200, 700/210, 560/190
+    sorted 2.95, 3.10, 3.33) and the memory goal the server's peak RSS against its budget; both 'not measured'
+    without the step."""
+    goals = {g["goal"]: g for g in report.goals(result([]))}
+    serve = "32 concurrent streams through engine serve (engine int4) vs onnxruntime-genai int4 at batch 8, output tok/s"
+    memory = "serving memory: engine serve's peak RSS after those streams"
+    assert goals[serve]["result"] == goals[memory]["result"] == "not measured"
+    res = result([serve_record([620.0, 700.0, 560.0], [200.0, 210.0, 190.0], peak_mb=450.0, budget_mb=520.0)])
+    goals = {g["goal"]: g for g in report.goals(res)}
+    assert (goals[serve]["result"], goals[serve]["value"]) == ("pass", 3.1) and "median 3.10x" in goals[serve]["measured"]
+    assert goals[memory]["result"] == "pass" and "KV touched 80.0 (pool 120.0)" in goals[memory]["measured"]
+    res = result([serve_record([500.0], [200.0], peak_mb=600.0, budget_mb=520.0)])
+    goals = {g["goal"]: g for g in report.goals(res)}
+    assert goals[serve]["result"] == goals[memory]["result"] == "miss"
+    res["goals"] = report.goals(res)
+    text = report.markdown(res)
+    assert "## Serving" in text and "| 1 | 500.0 | 900 / 1200 | 40.0 / 45.0 | 39.0 / 60.0 | 200.0 | 2.50 |" in text
+    assert "| serve-int4 |" not in text        # no row of the batch-1 throughput table
