@@ -50,12 +50,13 @@ struct Job {
   std::vector<Tile> tiles;       // rows with several tokens, in tiles (attention_tiles.h)
   std::vector<int64_t> tiled;    // the tiles' js, q rows and output rows: three arrays, an entry per tiled token
   std::vector<int64_t> singles;  // the other packed tokens, attended one at a time in `parts` shares
-  int64_t parts;
+  int64_t parts;                 // > 1: each single's keys in shares, an item each
+  int64_t per_item;              // parts == 1: consecutive singles an item takes (each prefetches the next's K)
   std::vector<float> partials;   // [singles, parts, partial_size]
 };
 
-// Work item i: (tile, KV head) for the first tiles * kv_heads items, then (single token, part); run by ORT's
-// intra-op threads.
+// Work item i: (tile, KV head) for the first tiles * kv_heads items, then (single token, part), or with one part
+// per_item consecutive singles; run by ORT's intra-op threads.
 template <typename P>
 void run_item(void* opaque, size_t i) {
   auto& j = *static_cast<Job<P>*>(opaque);
@@ -70,10 +71,23 @@ void run_item(void* opaque, size_t i) {
   }
 #endif
   item -= tile_items;
-  const int64_t t = j.singles[item / j.parts];
-  thread_local Scratch scratch;
-  attend_part(j.s, j.scale, j.softcap, j.q + j.queries[j.rows[t]] * j.s.heads * j.s.hd, j.kc, j.vc, j.slots, j.mask,
-              j.rows[t], item % j.parts, j.parts, j.partials.data() + item * partial_size(j.s), scratch);
+  thread_local Scratch x;
+  const auto query = [&](int64_t single) { return j.q + j.queries[j.rows[j.singles[single]]] * j.s.heads * j.s.hd; };
+  if (j.parts > 1) {
+    const int64_t single = item / j.parts;
+    visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[single]], item % j.parts, j.parts, x.visible);
+    x.next.clear();
+    attend_part(j.s, j.scale, j.softcap, query(single), j.kc, j.vc, j.partials.data() + item * partial_size(j.s), x);
+    return;
+  }
+  const int64_t first = item * j.per_item, last = std::min<int64_t>(first + j.per_item, j.singles.size());
+  visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[first]], 0, 1, x.next);
+  for (int64_t i = first; i < last; ++i) {
+    std::swap(x.visible, x.next);
+    x.next.clear();
+    if (i + 1 < last) visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[i + 1]], 0, 1, x.next);
+    attend_part(j.s, j.scale, j.softcap, query(i), j.kc, j.vc, j.partials.data() + i * partial_size(j.s), x);
+  }
 }
 
 // Rows with at least kMinTile tokens go in tiles of tile_tokens(s), when the tiles' vector code runs (AVX2 + FMA,
@@ -141,12 +155,15 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
              {}, {}, {}, 1, {}};
   plan(job);
   // Split each single token's keys in shares when a step has fewer items than ORT's two-thread pool can share
-  // evenly (a lone decode): flash-decoding's split.
+  // evenly (a lone decode): flash-decoding's split. With many singles, an item takes several in a row (at least
+  // kMinItems * 2 items remain for the pool to balance), so each can prefetch the next one's keys.
   const int64_t tile_items = static_cast<int64_t>(job.tiles.size()) * s.kv_heads,
                 singles = static_cast<int64_t>(job.singles.size());
   job.parts = tile_items + singles < kMinItems ? (kMinItems + singles - 1) / std::max<int64_t>(singles, 1) : 1;
+  job.per_item = job.parts > 1 ? 1 : std::max<int64_t>(1, singles / (2 * kMinItems));
+  const int64_t single_items = job.parts > 1 ? singles * job.parts : (singles + job.per_item - 1) / job.per_item;
   job.partials.resize(static_cast<size_t>(singles * job.parts * partial_size(s)));
-  parallel_for(k.api, context, static_cast<size_t>(tile_items + singles * job.parts), run_item<P>, &job);
+  parallel_for(k.api, context, static_cast<size_t>(tile_items + single_items), run_item<P>, &job);
   for (int64_t i = 0; i < singles; ++i)
     combine(s, job.partials.data() + i * job.parts * partial_size(s), job.parts,
             out + job.singles[static_cast<size_t>(i)] * s.heads * s.hd);

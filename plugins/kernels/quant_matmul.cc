@@ -94,6 +94,7 @@ void quantize_row(void* opaque, size_t t) {
 #endif
     j.a->d[static_cast<size_t>(t * j.groups + b)] = amax / 127.0f;
     j.a->sum[static_cast<size_t>(t * j.groups + b)] = sum;
+    j.a->dasum[static_cast<size_t>(t * j.groups + b)] = amax / 127.0f * static_cast<float>(sum);
   }
 }
 
@@ -142,6 +143,7 @@ void compute(void* opaque, OrtKernelContext* context) {
   a.q.resize(static_cast<size_t>(tokens * k));
   a.d.resize(static_cast<size_t>(tokens * k / kernel.group));
   a.sum.resize(a.d.size());
+  a.dasum.resize(a.d.size());
   if (tokens == 1) quantize_row(&job, 0);
   else parallel_for(kernel.api, context, static_cast<size_t>(tokens), quantize_row, &job);
   if (amx_rows(tokens)) {

@@ -30,12 +30,18 @@ constexpr int64_t kLanes = 16;     // columns per tile
 constexpr int64_t kSub = 32;       // K values per sub-block
 constexpr int64_t kHeader = 64;    // bytes of a block's scales
 constexpr int64_t kRowChunk = 64;  // rows per work item (their A tiles stay in L1 on AMX)
-constexpr int kRows = 4;           // rows sharing each unpacked weight register
+// rows sharing each unpacked weight register: 8 in AVX-512's 32 registers (bench/NOTES.md entry 35), 4 in AVX2's 16
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 4;
+#endif
 
 struct Activations {
   std::vector<int8_t> q;     // [T, K]
   std::vector<float> d;      // [T, K / group]: da
   std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
+  std::vector<float> dasum;  // [T, K / group]: da * sum(qa), the shift of blocks with offsets (shift_of)
   // The same rows in groups of 16 as AMX reads them (quant_amx.h): [T / 16, K / kc, 16, kc] A tiles, and per
   // group, block and row the scale da and the shift (shift_of below)
   std::vector<int8_t> tiles;
@@ -142,6 +148,13 @@ inline Shift<Offsets> shift_of(float da, int32_t sum) {
   else return (1 << (Bits - 1)) * sum;
 }
 
+// The shift of row t's block b, shift_of(da, sum) (with offsets computed once per row by quantize_row).
+template <int Bits, bool Offsets>
+inline Shift<Offsets> shift_at(const QuantJob& j, int64_t t, int64_t b) {
+  if constexpr (Offsets) return j.a->dasum[t * j.groups + b];
+  else return shift_of<Bits, Offsets>(0.0f, j.a->sum[t * j.groups + b]);
+}
+
 // acc plus one row's block: dots = q . qa_b, da = da_b (the header comment's formula).
 template <bool Offsets>
 inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s, float da, Shift<Offsets> shift) {
@@ -154,14 +167,16 @@ inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s,
   }
 }
 
-// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16).
-template <int Bits, bool Offsets, int R>
+// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16). Subs: sub-blocks a block, 0 when
+// only known at run time (a compile-time 1, the blocks of 32 of GGUF's Q4_1 and Q8_0, lets the compiler keep the
+// sums in registers across blocks instead of copying them around a loop of one iteration).
+template <int Bits, bool Offsets, int R, int Subs>
 void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
-  const int64_t subs = j.group / kSub;
+  const int64_t subs = Subs ? Subs : j.group / kSub;
+  constexpr int kChains = R >= 6 ? 1 : 2;  // dot-product chains a row: vpdpbusd's latency must not bound few rows
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
   const int8_t* qa = j.a->q.data() + t0 * j.k;
   const float* da = j.a->d.data() + t0 * j.groups;
-  const int32_t* sum = j.a->sum.data() + t0 * j.groups;
   __m512 acc[R];
   ENGINE_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -169,9 +184,11 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
     const uint8_t* header = p;
     prefetch_block(header, j.block_bytes);
     p += kHeader;
-    __m512i dot[R][2];  // two chains a row: vpdpbusd's latency, not its throughput, would bound one
+    __m512i dot[R][kChains];
     ENGINE_UNROLL
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r)
+      ENGINE_UNROLL
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
     for (int64_t s = 0; s < subs; ++s, p += sub_bytes(Bits)) {
       __m512i w[8];
       load_sub<Bits>(p, w);
@@ -179,15 +196,15 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
       for (int r = 0; r < R; ++r) {
         const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + b * j.group + s * kSub);
         ENGINE_UNROLL
-        for (int i = 0; i < 8; ++i) dot[r][i & 1] = _mm512_dpbusd_epi32(dot[r][i & 1], w[i], _mm512_set1_epi32(a[i]));
+        for (int i = 0; i < 8; ++i)
+          dot[r][i % kChains] = _mm512_dpbusd_epi32(dot[r][i % kChains], w[i], _mm512_set1_epi32(a[i]));
       }
     }
     const BlockScales<Offsets> scales(header);
     ENGINE_UNROLL
     for (int r = 0; r < R; ++r) {
-      const float scale = da[r * j.groups + b];
-      acc[r] = add_block<Offsets>(acc[r], _mm512_add_epi32(dot[r][0], dot[r][1]), scales, scale,
-                                  shift_of<Bits, Offsets>(scale, sum[r * j.groups + b]));
+      const __m512i dots = kChains == 1 ? dot[r][0] : _mm512_add_epi32(dot[r][0], dot[r][kChains - 1]);
+      acc[r] = add_block<Offsets>(acc[r], dots, scales, da[r * j.groups + b], shift_at<Bits, Offsets>(j, t0 + r, b));
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
@@ -236,10 +253,11 @@ inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256
   }
 }
 
-// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16), 8 columns at a time.
-template <int Bits, bool Offsets, int R>
+// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16), 8 columns at a time; Subs as in the
+// AVX-512 tile_rows.
+template <int Bits, bool Offsets, int R, int Subs>
 void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
-  const int64_t subs = j.group / kSub;
+  const int64_t subs = Subs ? Subs : j.group / kSub;
   const float* da = j.a->d.data() + t0 * j.groups;
   const int32_t* sum = j.a->sum.data() + t0 * j.groups;
   for (int half = 0; half < 2 && 8 * half < cols; ++half) {
@@ -318,16 +336,25 @@ inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, in
 }
 
 #if defined(ENGINE_KERNELS_VNNI) || defined(ENGINE_KERNELS_AVX2)
-template <int Bits, bool Offsets>
-void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols) {
+template <int Bits, bool Offsets, int Subs>
+void tile_subs(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols) {
   int64_t t = t0;
-  for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows>(j, tile, t, cols);
+  for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows, Subs>(j, tile, t, cols);
+  if (t + 4 <= t1) {
+    tile_rows<Bits, Offsets, 4, Subs>(j, tile, t, cols);
+    t += 4;
+  }
   switch (t1 - t) {
-    case 3: tile_rows<Bits, Offsets, 3>(j, tile, t, cols); break;
-    case 2: tile_rows<Bits, Offsets, 2>(j, tile, t, cols); break;
-    case 1: tile_rows<Bits, Offsets, 1>(j, tile, t, cols); break;
+    case 3: tile_rows<Bits, Offsets, 3, Subs>(j, tile, t, cols); break;
+    case 2: tile_rows<Bits, Offsets, 2, Subs>(j, tile, t, cols); break;
+    case 1: tile_rows<Bits, Offsets, 1, Subs>(j, tile, t, cols); break;
     default: break;
   }
+}
+
+template <int Bits, bool Offsets>
+void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols) {
+  j.group == kSub ? tile_subs<Bits, Offsets, 1>(j, tile, t0, t1, cols) : tile_subs<Bits, Offsets, 0>(j, tile, t0, t1, cols);
 }
 
 inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {

@@ -121,6 +121,9 @@ STEPS = {
     "tiles": [(100, 75), (50, 3), (41, 33)],
     # decodes longer than the kernel's key chunks (attention_decode.h's kChunk, 256): merged online across chunks
     "long-decode": [(600, 1), (300, 1)],
+    # enough decodes that a work item takes several in a row, each prefetching the next one's keys (19: items of
+    # 2 and a last of 1), some longer than a key chunk, beside a prefill's tiles
+    "many-decodes": [(1 + 37 * i % 290, 1) for i in range(19)] + [(20, 8)],
 }
 
 
@@ -138,7 +141,7 @@ def test_paged_attention(lowering, num_heads, num_kv_heads, head_dim, steps, sof
     assert_close(y, reference(step, num_heads, num_kv_heads, head_dim, scale, softcap))
 
 
-@pytest.mark.parametrize("steps", ["decode-one", "mixed"])
+@pytest.mark.parametrize("steps", ["decode-one", "mixed", "many-decodes"])
 def test_kernel_on_two_threads_equals_one(steps):
     """The kernel's work items run on ORT's intra-op threads: the result must not depend on how many."""
     rng = np.random.default_rng(11)
