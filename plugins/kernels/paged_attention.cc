@@ -152,7 +152,7 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
             kName, "out_index or q_index holds an index outside the step");
 
   Job<P> job{s, k.scale, k.softcap, q, kc, vc, slots, rows, queries, static_cast<const bool*>(mask.data), out,
-             {}, {}, {}, 1, {}};
+             {}, {}, {}, 1, 1, {}};
   plan(job);
   // Split each single token's keys in shares when a step has fewer items than ORT's two-thread pool can share
   // evenly (a lone decode): flash-decoding's split. With many singles, an item takes several in a row (at least
