@@ -166,25 +166,19 @@ class OpenAIServing:
                 q.put_nowait((c.index, e))
 
         tasks = [asyncio.create_task(pump(c)) for c in prep.choices]
-        pending, loop = len(tasks), asyncio.get_running_loop()
+        pending, getter = len(tasks), None
         try:
             while pending:
-                if q.empty():
-                    # a timer, not asyncio.wait over a q.get() task: one TimerHandle per token instead of a Task,
-                    # a Future and a timeout handle (the event loop's share of a 32-stream round, bench/NOTES.md 35)
-                    timer = loop.call_later(self.keepalive_s, q.put_nowait, (None, KEEPALIVE))
-                    try:
-                        idx, item = await q.get()
-                    finally:
-                        timer.cancel()
-                else:
-                    idx, item = q.get_nowait()
-                if item is KEEPALIVE:
+                getter = getter or asyncio.ensure_future(q.get())
+                done, _ = await asyncio.wait({getter}, timeout=self.keepalive_s)
+                if not done:
                     if not self.engine_alive():
                         raise APIError("the engine loop stopped; the server must be restarted", status=500,
                                        type="internal_server_error")
                     yield KEEPALIVE
                     continue
+                idx, item = getter.result()
+                getter = None
                 if isinstance(item, EngineError):
                     raise APIError(str(item), code="invalid_value")
                 if isinstance(item, BaseException):
@@ -200,7 +194,7 @@ class OpenAIServing:
                                        type="service_unavailable")
                 yield idx, item
         finally:
-            for t in tasks:
+            for t in tasks + ([getter] if getter else []):
                 t.cancel()
 
     async def final_outputs(self, prep: Prepared, priority: int) -> dict[int, RequestOutput]:
