@@ -43,7 +43,6 @@ import argparse
 import fnmatch
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -51,13 +50,13 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import compare_models as models  # noqa: E402
+from compare_machine import installed, machine, versions  # noqa: E402
 import compare_report as report  # noqa: E402
 from startup import CHILD_ENV  # noqa: E402
 
@@ -67,52 +66,6 @@ API_VARIANTS = ("fp32", "int8", "int4")
 COLDSTART_VARIANTS = ("fp32", "int8", "int4")
 COLDSTART_TEXT = "What is the capital of France?"
 SERVE = {"genai_batch": 8, "input_len": 128, "output_len": 128}   # the serving goal's shape (issue #7)
-PACKAGES = ("engine", "onnxruntime", "onnxruntime-genai", "onnx", "numpy", "torch", "transformers",
-            "llama-cpp-python", "tokenizers")
-
-
-def installed(module: str) -> str:
-    """The distribution version of a peer, "" when it is not importable."""
-    import importlib.util
-    if importlib.util.find_spec(module) is None:
-        return ""
-    dist = {"onnxruntime_genai": "onnxruntime-genai", "llama_cpp": "llama-cpp-python"}.get(module, module)
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def machine() -> dict:
-    info = {"host": platform.node(), "kernel": platform.release(), "python": platform.python_version(),
-            "logical_cpus": os.cpu_count()}
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        for line in cpuinfo.splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                info["isa"] = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
-                                                   "amx_int8", "amx_bf16") if f in flags)
-                break
-        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
-        info["memory_GiB"] = round(int(mem[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return info
-
-
-def versions() -> dict:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = None
-    return out
-
-
 class Runner:
     """Runs the steps, recording the load around each and collecting the records."""
 
