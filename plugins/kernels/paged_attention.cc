@@ -71,22 +71,17 @@ void run_item(void* opaque, size_t i) {
   }
 #endif
   item -= tile_items;
+  // singles [first, last), share `part` of each (per_item is 1 when there are shares)
+  const int64_t part = item % j.parts, first = item / j.parts * j.per_item;
+  const int64_t last = std::min<int64_t>(first + j.per_item, j.singles.size());
   thread_local Scratch x;
-  const auto query = [&](int64_t single) { return j.q + j.queries[j.rows[j.singles[single]]] * j.s.heads * j.s.hd; };
-  if (j.parts > 1) {
-    const int64_t single = item / j.parts;
-    visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[single]], item % j.parts, j.parts, x.visible);
-    x.next.clear();
-    attend_part(j.s, j.scale, j.softcap, query(single), j.kc, j.vc, j.partials.data() + item * partial_size(j.s), x);
-    return;
-  }
-  const int64_t first = item * j.per_item, last = std::min<int64_t>(first + j.per_item, j.singles.size());
-  visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[first]], 0, 1, x.next);
+  visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[first]], part, j.parts, x.next);
   for (int64_t i = first; i < last; ++i) {
     std::swap(x.visible, x.next);
     x.next.clear();
-    if (i + 1 < last) visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[i + 1]], 0, 1, x.next);
-    attend_part(j.s, j.scale, j.softcap, query(i), j.kc, j.vc, j.partials.data() + i * partial_size(j.s), x);
+    if (i + 1 < last) visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[i + 1]], part, j.parts, x.next);
+    attend_part(j.s, j.scale, j.softcap, j.q + j.queries[j.rows[j.singles[i]]] * j.s.heads * j.s.hd, j.kc, j.vc,
+                j.partials.data() + (i * j.parts + part) * partial_size(j.s), x);
   }
 }
 
@@ -161,7 +156,7 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
                 singles = static_cast<int64_t>(job.singles.size());
   job.parts = tile_items + singles < kMinItems ? (kMinItems + singles - 1) / std::max<int64_t>(singles, 1) : 1;
   job.per_item = job.parts > 1 ? 1 : std::max<int64_t>(1, singles / (2 * kMinItems));
-  const int64_t single_items = job.parts > 1 ? singles * job.parts : (singles + job.per_item - 1) / job.per_item;
+  const int64_t single_items = (singles + job.per_item - 1) / job.per_item * job.parts;
   job.partials.resize(static_cast<size_t>(singles * job.parts * partial_size(s)));
   parallel_for(k.api, context, static_cast<size_t>(tile_items + single_items), run_item<P>, &job);
   for (int64_t i = 0; i < singles; ++i)
