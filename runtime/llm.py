@@ -10,7 +10,8 @@
 The engine core is single-threaded. Sync calls (generate, chat, stream) drive it in the calling thread; the
 async API starts one background engine thread, and from then on every call (sync ones too) submits requests to
 that thread through a locked inbox, so requests from any thread batch together. Outputs go back through
-per-request sinks (an asyncio queue via call_soon_threadsafe, or a plain queue).
+per-request sinks (an asyncio queue, handed a step's outputs for its event loop in one
+call_soon_threadsafe; or a plain queue).
 
 Limits are checked when a request is made, before it queues: an empty prompt or one that leaves no room under
 max_input_len / max_seq_len, or a non-zero priority under the fcfs policy, raises EngineError naming the limit;
@@ -268,7 +269,7 @@ class LLM:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self.start()
-        self._submit(seq, text, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        self._submit(seq, text, LoopSink(loop, q))
         finished = False
         try:
             while not finished:
@@ -373,14 +374,36 @@ class LLM:
             for o in outputs:
                 if o.finished:
                     self._sinks.pop(o.request_id, None)
+        by_loop: dict = {}
         for sink, o in sinks:
-            if sink is not None:
+            if isinstance(sink, LoopSink):
+                by_loop.setdefault(sink.loop, []).append((sink.queue, o))
+            elif sink is not None:
                 sink(o)
+        for loop, items in by_loop.items():   # one wake-up of each event loop a step, not one per output
+            loop.call_soon_threadsafe(_put_all, items)
 
     def check_all_free(self) -> None:
         """AssertionError unless no request is in flight and every KV block is back in the pool."""
         assert not self.core.requests, f"requests still in flight: {sorted(self.core.requests)}"
         self.core.blocks.check_all_free()
+
+
+class LoopSink:
+    """A sink into an asyncio queue read on an event loop of another thread. _dispatch hands all of a step's
+    outputs for one loop over in a single call_soon_threadsafe, so a loop serving 32 streams wakes once a step."""
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, q) -> None:
+        self.loop, self.queue = loop, q
+
+    def __call__(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -166,19 +166,22 @@ class OpenAIServing:
                 q.put_nowait((c.index, e))
 
         tasks = [asyncio.create_task(pump(c)) for c in prep.choices]
-        pending, getter = len(tasks), None
+        pending = len(tasks)
         try:
             while pending:
-                getter = getter or asyncio.ensure_future(q.get())
-                done, _ = await asyncio.wait({getter}, timeout=self.keepalive_s)
-                if not done:
-                    if not self.engine_alive():
-                        raise APIError("the engine loop stopped; the server must be restarted", status=500,
-                                       type="internal_server_error")
-                    yield KEEPALIVE
-                    continue
-                idx, item = getter.result()
-                getter = None
+                if q.empty():
+                    try:
+                        async with asyncio.timeout(self.keepalive_s):
+                            idx, item = await q.get()
+                    except TimeoutError:
+                        if not self.engine_alive():
+                            raise APIError("the engine loop stopped; the server must be restarted", status=500,
+                                           type="internal_server_error") from None
+                        yield KEEPALIVE
+                        continue
+                else:
+                    idx, item = q.get_nowait()
+                    await asyncio.sleep(0)   # outputs already queued: still let other tasks (checkpoints) run
                 if isinstance(item, EngineError):
                     raise APIError(str(item), code="invalid_value")
                 if isinstance(item, BaseException):
@@ -194,7 +197,7 @@ class OpenAIServing:
                                        type="service_unavailable")
                 yield idx, item
         finally:
-            for t in tasks + ([getter] if getter else []):
+            for t in tasks:
                 t.cancel()
 
     async def final_outputs(self, prep: Prepared, priority: int) -> dict[int, RequestOutput]:

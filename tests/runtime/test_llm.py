@@ -1,6 +1,7 @@
 """End to end on the tiny Llama engine: greedy == transformers, batch == singles, preemption, limits, streaming."""
 import asyncio
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -159,4 +160,32 @@ def test_async_streaming_and_abort(llm):
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == [w.token_ids for w in want]
     llm.check_all_free()   # the aborted request's blocks came back (its abort was queued before that generate)
     llm.close()
+    llm.check_all_free()
+
+
+def test_async_requests_from_event_loops_in_two_threads(llm):
+    """A step's outputs go to each event loop in one hand-over (runtime/llm.py LoopSink): requests from loops in
+    two threads, batched in the same steps, each get their own outputs, every delta in order."""
+    ps = prompts((5, 11, 8, 3), seed=6)
+    want = llm.generate(ps, GREEDY)
+    got: dict[int, tuple[str, list[int]]] = {}
+
+    async def collect(i):
+        deltas, last = [], None
+        async for out in llm.generate_async(ps[i], GREEDY):
+            deltas.append(out.delta_text)
+            last = out
+        got[i] = ("".join(deltas), last.token_ids)
+
+    def thread(indices):
+        async def main():
+            await asyncio.gather(*[collect(i) for i in indices])
+        asyncio.run(main())
+
+    workers = [threading.Thread(target=thread, args=(ix,)) for ix in ((0, 2), (1, 3))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    assert {i: got.get(i) for i in range(len(ps))} == {i: (w.text, w.token_ids) for i, w in enumerate(want)}
     llm.check_all_free()
