@@ -4,6 +4,7 @@
     .venv/bin/python bench/compare.py --prompt-len 64 --new-tokens 16 --repeats 1 --only 'engine-int4,ortgenai-*'
     .venv/bin/python bench/compare.py --report-only         # rewrite BENCHMARKS.md from bench/results/compare.json
     .venv/bin/python bench/compare.py --resume              # finish an interrupted run (its JSON is saved per step)
+    .venv/bin/python bench/compare.py --resume --only 'bandwidth,engine-fp32'   # measure those steps again
 
 Everything runs in one go on this machine, with `--threads` (2) intra-op threads everywhere, greedy, on the same
 token ids: bench/prompt_ids.json, a copy of /work/shared/anchors/prompt_ids.json (the first 512 tokens of
@@ -76,14 +77,20 @@ class Runner:
         self.save = save   # called after every step, so an interrupted run still leaves its figures
         self.done: set[str] = set()   # steps a resumed run already has
 
+    def keep(self, previous: list[dict]) -> None:
+        """A resumed run's records: those that did not fail, less the steps --only names (measured again)."""
+        self.records.extend(rec for rec in previous if rec.get("status") in ("ok", "not installed")
+                            and not (self.args.only and self.selected(rec["name"])))
+        self.done = {rec["name"] for rec in self.records}
+
     def wanted(self, name: str) -> bool:
-        if name in self.done:
+        return name not in self.done and self.selected(name)
+
+    def selected(self, name: str) -> bool:
+        """Whether --only (when given) names the step and --skip does not."""
+        if self.args.only and not any(fnmatch.fnmatch(name, p) for p in self.args.only.split(",") if p):
             return False
-        only = [p for p in (self.args.only or "").split(",") if p]
-        skip = [p for p in (self.args.skip or "").split(",") if p]
-        if only and not any(fnmatch.fnmatch(name, p) for p in only):
-            return False
-        return not any(fnmatch.fnmatch(name, p) for p in skip)
+        return not any(fnmatch.fnmatch(name, p) for p in (self.args.skip or "").split(",") if p)
 
     def spec(self, **kw) -> dict:
         a = self.args
@@ -219,8 +226,7 @@ def run_all(args: argparse.Namespace) -> dict:
         if previous["settings"] != result["settings"]:
             raise SystemExit(f"--resume: {args.results} was measured with {previous['settings']}, not "
                              f"{result['settings']}; give the same settings or drop --resume")
-        r.records.extend(rec for rec in previous["records"] if rec.get("status") in ("ok", "not installed"))
-        r.done = {rec["name"] for rec in r.records}
+        r.keep(previous["records"])
         result.update(started=previous["started"], command=f"{previous['command']}; then {result['command']}")
         t0 -= previous.get("wall_s", 0)
         print(f"resuming {args.results}: {len(r.done)} steps already done", flush=True)
@@ -342,7 +348,8 @@ def main() -> None:
     ap.add_argument("--results", default=str(HERE / "results" / "compare.json"), help="JSON output")
     ap.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"), help="markdown report ('' for none)")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the steps --results already has (those that did not fail) and run the rest")
+                    help="keep the steps --results already has (those that did not fail and --only does not name) "
+                         "and run the rest")
     ap.add_argument("--report-only", action="store_true",
                     help="measure nothing: rewrite --output (and the goals in --results) from --results")
     args = ap.parse_args()
