@@ -35,6 +35,7 @@ from engine.core.errors import EngineError
 from .engine_core import EngineCore
 from .engine_dir import load_engine_config
 from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
+from .loop_sink import LoopSink, put_all
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES, SchedulerConfig
@@ -381,29 +382,12 @@ class LLM:
             elif sink is not None:
                 sink(o)
         for loop, items in by_loop.items():   # one wake-up of each event loop a step, not one per output
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
 
     def check_all_free(self) -> None:
         """AssertionError unless no request is in flight and every KV block is back in the pool."""
         assert not self.core.requests, f"requests still in flight: {sorted(self.core.requests)}"
         self.core.blocks.check_all_free()
-
-
-class LoopSink:
-    """A sink into an asyncio queue read on an event loop of another thread. _dispatch hands all of a step's
-    outputs for one loop over in a single call_soon_threadsafe, so a loop serving 32 streams wakes once a step."""
-    __slots__ = ("loop", "queue")
-
-    def __init__(self, loop, q) -> None:
-        self.loop, self.queue = loop, q
-
-    def __call__(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-def _put_all(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
