@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from contextlib import aclosing
@@ -58,6 +59,16 @@ class Prepared:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(ids) for ids, _ in self.prompts)
+
+
+if sys.version_info >= (3, 11):
+    async def _get_within(q: asyncio.Queue, timeout: float):
+        """q.get() in the calling task, asyncio.TimeoutError after `timeout` s (no task of its own)."""
+        async with asyncio.timeout(timeout):
+            return await q.get()
+else:  # Python 3.10 has no asyncio.timeout
+    def _get_within(q: asyncio.Queue, timeout: float):
+        return asyncio.wait_for(q.get(), timeout)
 
 
 class OpenAIServing:
@@ -171,9 +182,8 @@ class OpenAIServing:
             while pending:
                 if q.empty():
                     try:
-                        async with asyncio.timeout(self.keepalive_s):
-                            idx, item = await q.get()
-                    except TimeoutError:
+                        idx, item = await _get_within(q, self.keepalive_s)
+                    except asyncio.TimeoutError:
                         if not self.engine_alive():
                             raise APIError("the engine loop stopped; the server must be restarted", status=500,
                                            type="internal_server_error") from None
