@@ -129,16 +129,18 @@ def test_limits(llm, tiny_engine, caplog):
     llm.check_all_free()
 
 
+async def collect(llm, p):
+    """The joined deltas and the last output of one greedy generate_async stream."""
+    deltas, last = [], None
+    async for out in llm.generate_async(p, GREEDY):
+        deltas.append(out.delta_text)
+        last = out
+    return "".join(deltas), last
+
+
 def test_async_streaming_and_abort(llm):
     ps = prompts((7, 19, 4), seed=4)
     want = llm.generate(ps, GREEDY)
-
-    async def collect(p):
-        deltas, last = [], None
-        async for out in llm.generate_async(p, GREEDY):
-            deltas.append(out.delta_text)
-            last = out
-        return "".join(deltas), last
 
     async def abort_early(p):
         n = 0
@@ -149,7 +151,7 @@ def test_async_streaming_and_abort(llm):
         return n
 
     async def main():
-        return await asyncio.gather(*[collect(p) for p in ps], abort_early(ps[0]))
+        return await asyncio.gather(*[collect(llm, p) for p in ps], abort_early(ps[0]))
 
     *results, n = asyncio.run(main())
     assert n == 2
@@ -164,23 +166,17 @@ def test_async_streaming_and_abort(llm):
 
 
 def test_async_requests_from_event_loops_in_two_threads(llm):
-    """A step's outputs go to each event loop in one hand-over (runtime/llm.py LoopSink): requests from loops in
+    """A step's outputs go to each event loop in one hand-over (runtime/loop_sink.py): requests from loops in
     two threads, batched in the same steps, each get their own outputs, every delta in order."""
     ps = prompts((5, 11, 8, 3), seed=6)
     want = llm.generate(ps, GREEDY)
     got: dict[int, tuple[str, list[int]]] = {}
 
-    async def collect(i):
-        deltas, last = [], None
-        async for out in llm.generate_async(ps[i], GREEDY):
-            deltas.append(out.delta_text)
-            last = out
-        got[i] = ("".join(deltas), last.token_ids)
-
     def thread(indices):
         async def main():
-            await asyncio.gather(*[collect(i) for i in indices])
-        asyncio.run(main())
+            return await asyncio.gather(*[collect(llm, ps[i]) for i in indices])
+        for i, (joined, last) in zip(indices, asyncio.run(main())):
+            got[i] = (joined, last.token_ids)
 
     workers = [threading.Thread(target=thread, args=(ix,)) for ix in ((0, 2), (1, 3))]
     for t in workers:
