@@ -203,7 +203,7 @@ inline T* output(const Api& api, OrtKernelContext* context, size_t index, const 
 
 // An input or attribute the op cannot take: std::invalid_argument naming the op, which ORT reports as the run's
 // error.
-inline void require(bool ok, const char* op, const std::string& what) {
+inline void require(bool ok, const char* op, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("engine ") + op + ": " + what);
 }
 
