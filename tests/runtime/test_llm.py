@@ -2,6 +2,7 @@
 import asyncio
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -171,17 +172,23 @@ def test_async_requests_from_event_loops_in_two_threads(llm):
     ps = prompts((5, 11, 8, 3), seed=6)
     want = llm.generate(ps, GREEDY)
     got: dict[int, tuple[str, list[int]]] = {}
+    errors: list[str] = []
 
     def thread(indices):
-        async def main():
-            return await asyncio.gather(*[collect(llm, ps[i]) for i in indices])
-        for i, (joined, last) in zip(indices, asyncio.run(main())):
-            got[i] = (joined, last.token_ids)
+        async def main():   # a stream that never ends (an output sent to the wrong loop) times out here
+            return await asyncio.wait_for(asyncio.gather(*[collect(llm, ps[i]) for i in indices]), 60)
+        try:
+            for i, (joined, last) in zip(indices, asyncio.run(main())):
+                got[i] = (joined, last.token_ids)
+        except BaseException as e:  # noqa: BLE001 - the assertion below reports it
+            errors.append(repr(e))
 
-    workers = [threading.Thread(target=thread, args=(ix,)) for ix in ((0, 2), (1, 3))]
+    workers = [threading.Thread(target=thread, args=(ix,), daemon=True) for ix in ((0, 2), (1, 3))]
     for t in workers:
         t.start()
+    deadline = time.monotonic() + 90   # one deadline for both threads, not 60 s each
     for t in workers:
-        t.join(60)
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not errors and not any(t.is_alive() for t in workers), errors
     assert {i: got.get(i) for i in range(len(ps))} == {i: (w.text, w.token_ids) for i, w in enumerate(want)}
     llm.check_all_free()
