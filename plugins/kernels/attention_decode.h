@@ -18,6 +18,8 @@
 // loops.
 #pragma once
 
+#include <cstring>
+
 #include "attention_math.h"
 
 namespace engine_kernels {
@@ -205,12 +207,21 @@ inline void visible_keys(const Shapes& s, const int64_t* kv_slots, const bool* m
                          int64_t parts, std::vector<int64_t>& out) {
   const int64_t b = row / s.qmax, kv_width = s.kv_heads * s.hd;
   const bool* m = mask + row * s.lmax;
+  const int64_t* slots = kv_slots + b * s.lmax;
   int64_t seen = 0;
   for (int64_t l = 0; l < s.lmax; ++l) seen += m[l];
   const int64_t first = seen * part / parts, last = seen * (part + 1) / parts;
-  out.clear();
+  out.resize(static_cast<size_t>(last - first));
+  int64_t* o = out.data();
+  // A decode's row is usually a run of visible keys from position 0 (no window, no padding inside): its share is
+  // then positions [first, last) themselves, a loop without branches; else the visible positions are counted off.
+  const auto* run_end = static_cast<const bool*>(std::memchr(m, 0, static_cast<size_t>(s.lmax)));
+  if ((run_end ? run_end - m : s.lmax) == seen) {
+    for (int64_t l = first; l < last; ++l) o[l - first] = slots[l] * kv_width;
+    return;
+  }
   for (int64_t l = 0, i = 0; l < s.lmax && i < last; ++l)
-    if (m[l] && i++ >= first) out.push_back(kv_slots[b * s.lmax + l] * kv_width);
+    if (m[l] && i++ >= first) *o++ = slots[l] * kv_width;
 }
 
 // One token (query q) over the keys x.visible (visible_keys) into partial [heads, hd + 2]; the K rows of x.next
