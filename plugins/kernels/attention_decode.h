@@ -11,9 +11,11 @@
 // weighted sum; the chunks merge online (running maximum, sums rescaled). Loads interleaved with the arithmetic,
 // under software prefetch or not, left most of the memory latency exposed: ~2x the time of a plain read. So the
 // prefetches ride on those reads instead: reading a chunk's K rows prefetches its V rows (they arrive while the K
-// rows are scored), and reading a token's last V rows prefetches the K rows of the next token of the same work item
-// (they arrive during the weighted sum). 32 decodes over 192 keys, 30 layers of float16 KV (142 MB), in a C++
-// harness on a Zen 4: 10.6 -> 7.4 ms, where a plain read of the bytes takes 5.2 and the arithmetic alone 4.6.
+// rows are scored), and reading a chunk's V rows prefetches the next chunk's K rows, or at the last chunk the K
+// rows of the next token of the same work item (they arrive during the weighted sum). 32 decodes over 192 keys, 30
+// layers of float16 KV (142 MB), in a C++ harness on a Zen 4: 10.6 -> 7.4 ms, where a plain read of the bytes takes
+// 5.2 and the arithmetic alone 4.6. Chunks of 32 keys rather than 256 (NOTES 38): a lone decode's share is one
+// chunk of 256, so nothing was on its way while its first K rows were read.
 // Vector code: 16 lanes (AVX-512F, head size a multiple of 16), else 8 (AVX2 + FMA, a multiple of 8), else plain
 // loops.
 #pragma once
@@ -24,7 +26,7 @@
 
 namespace engine_kernels {
 
-constexpr int64_t kChunk = 256;  // keys: a chunk's K (or V) rows stay in L2 (192 KB of float rows for SmolLM2)
+constexpr int64_t kChunk = 32;  // keys: small, so the next chunk's K rows are on their way early (NOTES 38)
 
 struct Scratch {
   std::vector<int64_t> visible;  // pool offsets (slot * kv_width) of the share's keys
@@ -195,9 +197,11 @@ void attend_keys(const Shapes& s, float softcap, const float* q, const P* kc, co
     stage(kc, keys + c, count, row_bytes, vc, keys + c, count);
     chunk_scores<V>(s, q, kc, keys + c, count, p);
     for (int64_t h = 0; h < s.heads; ++h) merge_chunk(p + h * kChunk, count, softcap, s.hd, partial + h * (s.hd + 2));
-    const bool last = c + kChunk >= n;
-    stage(vc, keys + c, count, row_bytes, kc, next.data(),
-          last ? std::min<int64_t>(kChunk, static_cast<int64_t>(next.size())) : 0);
+    // Reading the chunk's V rows prefetches the next chunk's K rows, or after the last chunk the next token's.
+    if (c + kChunk < n)
+      stage(vc, keys + c, count, row_bytes, kc, keys + c + kChunk, std::min(kChunk, n - c - kChunk));
+    else
+      stage(vc, keys + c, count, row_bytes, kc, next.data(), std::min<int64_t>(kChunk, static_cast<int64_t>(next.size())));
     chunk_values<V>(s, p, vc, keys + c, count, partial);
   }
 }
