@@ -201,7 +201,8 @@ void attend_keys(const Shapes& s, float softcap, const float* q, const P* kc, co
     if (c + kChunk < n)
       stage(vc, keys + c, count, row_bytes, kc, keys + c + kChunk, std::min(kChunk, n - c - kChunk));
     else
-      stage(vc, keys + c, count, row_bytes, kc, next.data(), std::min<int64_t>(kChunk, static_cast<int64_t>(next.size())));
+      stage(vc, keys + c, count, row_bytes, kc, next.data(),
+            std::min<int64_t>(kChunk, static_cast<int64_t>(next.size())));
     chunk_values<V>(s, p, vc, keys + c, count, partial);
   }
 }
