@@ -89,6 +89,7 @@ void run_item(void* opaque, size_t i) {
 // a head size that is a multiple of 8); every other token is a single. Tokens in (row, query position) order.
 constexpr int64_t kMinTile = 4;
 constexpr int64_t kMinItems = 4;
+constexpr int64_t kMinShare = 64;  // keys
 
 template <typename P>
 void plan(Job<P>& j) {
@@ -150,11 +151,20 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
              {}, {}, {}, 1, 1, {}};
   plan(job);
   // Split each single token's keys in shares when a step has fewer items than ORT's two-thread pool can share
-  // evenly (a lone decode): flash-decoding's split. With many singles, an item takes several in a row (at least
+  // evenly (a lone decode): flash-decoding's split, a share at least kMinShare keys (fewer keys cost more to hand
+  // out and combine than they save: NOTES 38). With many singles, an item takes several in a row (at least
   // kMinItems * 2 items remain for the pool to balance), so each can prefetch the next one's keys.
   const int64_t tile_items = static_cast<int64_t>(job.tiles.size()) * s.kv_heads,
                 singles = static_cast<int64_t>(job.singles.size());
-  job.parts = tile_items + singles < kMinItems ? (kMinItems + singles - 1) / std::max<int64_t>(singles, 1) : 1;
+  job.parts = 1;
+  if (tile_items + singles < kMinItems) {
+    int64_t longest = 0;  // the most keys a single sees
+    for (const int64_t t : job.singles) {
+      const bool* m = job.mask + rows[t] * s.lmax;
+      longest = std::max<int64_t>(longest, std::count(m, m + s.lmax, true));
+    }
+    job.parts = std::clamp<int64_t>(longest / kMinShare, 1, (kMinItems + singles - 1) / std::max<int64_t>(singles, 1));
+  }
   job.per_item = job.parts > 1 ? 1 : std::max<int64_t>(1, singles / (2 * kMinItems));
   const int64_t single_items = (singles + job.per_item - 1) / job.per_item * job.parts;
   job.partials.resize(static_cast<size_t>(singles * job.parts * partial_size(s)));

@@ -113,13 +113,14 @@ def attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, lowering)
 
 STEPS = {
     "prefill": [(23, 23)],
-    "decode-one": [(45, 1)],   # the kernel splits its keys over two work items (module docstring of its math)
+    "decode-one": [(45, 1)],   # fewer keys than two shares of kMinShare (64): one work item
+    "decode-one-long": [(200, 1)],   # split in 3 shares (flash-decoding), combined after
     "decode-batch": [(9, 1), (40, 1), (1, 1), (17, 1)],
     "mixed": [(30, 30), (61, 1), (37, 12), (5, 1), (16, 4)],   # prefill, decode, chunked prefills
     # the kernel's prefill tiles (attention_tiles.h): rows of >= 4 tokens in tiles of up to 32 query rows, a short
     # last tile, a row of 3 tokens attended one by one beside them
     "tiles": [(100, 75), (50, 3), (41, 33)],
-    # decodes longer than the kernel's key chunks (attention_decode.h's kChunk, 256): merged online across chunks
+    # decodes longer than the kernel's key chunks (attention_decode.h's kChunk, 32): merged online across chunks
     "long-decode": [(600, 1), (300, 1)],
     # enough decodes that a work item takes several in a row, each prefetching the next one's keys (19: items of
     # 2 and a last of 1), some longer than a key chunk, beside a prefill's tiles
