@@ -207,14 +207,12 @@ void attend_keys(const Shapes& s, float softcap, const float* q, const P* kc, co
   }
 }
 
-// The pool offsets of the keys in share `part` of `parts` of the keys token row `row` sees, into `out`.
-inline void visible_keys(const Shapes& s, const int64_t* kv_slots, const bool* mask, int64_t row, int64_t part,
-                         int64_t parts, std::vector<int64_t>& out) {
+// The pool offsets of the keys in share `part` of `parts` of the `seen` keys token row `row` sees, into `out`.
+inline void visible_keys(const Shapes& s, const int64_t* kv_slots, const bool* mask, int64_t row, int64_t seen,
+                         int64_t part, int64_t parts, std::vector<int64_t>& out) {
   const int64_t b = row / s.qmax, kv_width = s.kv_heads * s.hd;
   const bool* m = mask + row * s.lmax;
   const int64_t* slots = kv_slots + b * s.lmax;
-  int64_t seen = 0;
-  for (int64_t l = 0; l < s.lmax; ++l) seen += m[l];
   const int64_t first = seen * part / parts, last = seen * (part + 1) / parts;
   out.resize(static_cast<size_t>(last - first));
   int64_t* o = out.data();

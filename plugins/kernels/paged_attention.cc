@@ -50,6 +50,7 @@ struct Job {
   std::vector<Tile> tiles;       // rows with several tokens, in tiles (attention_tiles.h)
   std::vector<int64_t> tiled;    // the tiles' js, q rows and output rows: three arrays, an entry per tiled token
   std::vector<int64_t> singles;  // the other packed tokens, attended one at a time in `parts` shares
+  std::vector<int64_t> seen;     // the keys each single sees (its mask row's count), counted once a step
   int64_t parts;                 // > 1: each single's keys in shares, an item each
   int64_t per_item;              // parts == 1: consecutive singles an item takes (each prefetches the next's K)
   std::vector<float> partials;   // [singles, parts, partial_size]
@@ -75,11 +76,12 @@ void run_item(void* opaque, size_t i) {
   const int64_t part = item % j.parts, first = item / j.parts * j.per_item;
   const int64_t last = std::min<int64_t>(first + j.per_item, j.singles.size());
   thread_local Scratch x;
-  visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[first]], part, j.parts, x.next);
+  visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[first]], j.seen[first], part, j.parts, x.next);
   for (int64_t i = first; i < last; ++i) {
     std::swap(x.visible, x.next);
     x.next.clear();
-    if (i + 1 < last) visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[i + 1]], part, j.parts, x.next);
+    if (i + 1 < last)
+      visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[i + 1]], j.seen[i + 1], part, j.parts, x.next);
     attend_part(j.s, j.scale, j.softcap, j.q + j.queries[j.rows[j.singles[i]]] * j.s.heads * j.s.hd, j.kc, j.vc,
                 j.partials.data() + (i * j.parts + part) * partial_size(j.s), x);
   }
@@ -148,8 +150,12 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
             kName, "out_index or q_index holds an index outside the step");
 
   Job<P> job{s, k.scale, k.softcap, q, kc, vc, slots, rows, queries, static_cast<const bool*>(mask.data), out,
-             {}, {}, {}, 1, 1, {}};
+             {}, {}, {}, {}, 1, 1, {}};
   plan(job);
+  for (const int64_t t : job.singles) {
+    const bool* m = job.mask + rows[t] * s.lmax;
+    job.seen.push_back(std::count(m, m + s.lmax, true));
+  }
   // Split each single token's keys in shares when a step has fewer items than ORT's two-thread pool can share
   // evenly (a lone decode): flash-decoding's split, a share at least kMinShare keys (fewer keys cost more to hand
   // out and combine than they save: NOTES 38). With many singles, an item takes several in a row (at least
@@ -157,13 +163,9 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
   const int64_t tile_items = static_cast<int64_t>(job.tiles.size()) * s.kv_heads,
                 singles = static_cast<int64_t>(job.singles.size());
   job.parts = 1;
-  if (tile_items + singles < kMinItems) {
-    int64_t longest = 0;  // the most keys a single sees
-    for (const int64_t t : job.singles) {
-      const bool* m = job.mask + rows[t] * s.lmax;
-      longest = std::max<int64_t>(longest, std::count(m, m + s.lmax, true));
-    }
-    job.parts = std::clamp<int64_t>(longest / kMinShare, 1, (kMinItems + singles - 1) / std::max<int64_t>(singles, 1));
+  if (tile_items + singles < kMinItems && singles > 0) {
+    const int64_t longest = *std::max_element(job.seen.begin(), job.seen.end());
+    job.parts = std::clamp<int64_t>(longest / kMinShare, 1, (kMinItems + singles - 1) / singles);
   }
   job.per_item = job.parts > 1 ? 1 : std::max<int64_t>(1, singles / (2 * kMinItems));
   const int64_t single_items = (singles + job.per_item - 1) / job.per_item * job.parts;
