@@ -71,6 +71,16 @@ def test_matches_float64_reference(weight, tokens):
     assert_close(quant_matmul_op(x, q), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("weight", sorted(WEIGHTS))
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_few_rows_with_a_partial_tile_of_12_columns(weight, tokens):
+    """One or two rows (AVX2 takes both halves of 8 columns in one pass), the last tile 12 columns wide."""
+    q = WEIGHTS[weight](44, 256)
+    x = np.random.default_rng(tokens + 10).standard_normal((tokens, 256)).astype(np.float32)
+    want = expected(x, q)
+    assert_close(quant_matmul_op(x, q), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_matches_matmulnbits_at_accuracy_level_4(bits, tokens):
