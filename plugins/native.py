@@ -2,8 +2,9 @@
 
     library() -> Path        plugins/kernels/*.cc ──g++ -O3 -march=native──▶ $ENGINE_CACHE_DIR/kernels/<digest>/
                              libengine_kernels.so (default cache ~/.cache/engine); compiled once per source digest,
-                             compiler and CPU, into a temporary file renamed into place, so concurrent first uses
-                             and an interrupted compile never leave a broken library behind
+                             compiler and CPU (a source per CPU at once, then linked) in a temporary directory and
+                             renamed into place, so concurrent first uses and an interrupted compile never leave a
+                             broken library behind
     register(options)        SessionOptions.register_custom_ops_library(library()): the ops of domain "engine"
 
 -march=native because the library is compiled on the machine that runs it, like the engine itself
@@ -18,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.core.errors import EngineError
@@ -78,23 +80,37 @@ def library() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    work = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        try:
-            done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                                  timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise EngineError(f"compiling the engine's kernels with {cxx} took over {COMPILE_TIMEOUT_S} s; "
-                              "build with --engine-kernels-plugin disable to do without them") from None
-        if done.returncode != 0:
-            raise EngineError(f"compiling the engine's kernels with {cxx} failed (exit {done.returncode}):\n"
-                              f"{done.stderr.strip()[-2000:]}\n"
-                              "build with --engine-kernels-plugin disable to do without them")
+        objects = _compile_objects(cxx, work)
+        tmp = work / target.name
+        _run(cxx, [*FLAGS, *map(str, objects), "-o", str(tmp)])
         os.replace(tmp, target)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _compile_objects(cxx: str, work: Path) -> list[Path]:
+    """Each source compiled to an object in `work`, as many at once as this process may use CPUs (the largest
+    first): paged_attention.cc alone takes about half of a serial compile, 14 of 31 s on a 2-core Zen 3."""
+    sources = sorted(SOURCES, key=lambda path: path.stat().st_size, reverse=True)
+    objects = [work / (path.stem + ".o") for path in sources]
+    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:
+        list(pool.map(lambda src, obj: _run(cxx, [*FLAGS, "-c", str(src), "-o", str(obj)]), sources, objects))
+    return sorted(objects)
+
+
+def _run(cxx: str, args: list[str]) -> None:
+    try:
+        done = subprocess.run([cxx, *args], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"compiling the engine's kernels with {cxx} took over {COMPILE_TIMEOUT_S} s; "
+                          "build with --engine-kernels-plugin disable to do without them") from None
+    if done.returncode != 0:
+        raise EngineError(f"compiling the engine's kernels with {cxx} failed (exit {done.returncode}):\n"
+                          f"{done.stderr.strip()[-2000:]}\n"
+                          "build with --engine-kernels-plugin disable to do without them")
 
 
 def register(options) -> None:
