@@ -245,8 +245,12 @@ def run_all(args: argparse.Namespace) -> dict:
         return lambda: r.worker("engine", r.spec(engine_dir=str(
             models.ensure_engine(cache, source, variant, **build_opts))))
 
-    for variant, (_, weights) in models.ENGINE_VARIANTS.items():
-        r.step(f"engine-{variant}", "engine (session step)", weights, engine(variant))
+    from engine.plugins import bf16_matmul
+    no_bf16 = "" if bf16_matmul.supported(bf16_matmul.CHUNK) else \
+        "this CPU has no AVX-512 BF16 dot products, which the bfloat16 lm_head's kernel is written for"
+    for variant, (flags, weights) in models.ENGINE_VARIANTS.items():
+        r.step(f"engine-{variant}", "engine (session step)", weights, engine(variant),
+               missing=no_bf16 if "bfloat16" in flags else "")
 
     no_tf = "" if installed("transformers") else "transformers is not installed"
     for dtype in ("fp32", "bf16"):
