@@ -4,11 +4,10 @@
 // AVX-512 VNNI: each block's dot products are vpdpbusd of the unsigned weights against broadcast groups of 4
 // activations, a tile's columns in the 16 lanes.
 // AVX2: the same registers read as two halves of 8 columns: one or two rows take both halves in one pass over the
-// blocks, prefetching the weight stream as AVX-512 does; more rows take one half after the other (the second reads
-// the tile from L1: AVX2 has 16 registers). On a Zen 3 (bench/NOTES.md entry 39) the one pass and the prefetch made
-// an int4 decode step 1.09-1.14x faster, int8 1.10x; prefill unchanged. 4-bit: vpmaddubsw of the unsigned weights
-// (0..15) against the activations (-127..127) cannot saturate (2 * 15 * 127), so a sub-block's 8 products add up
-// in 16 bits (8 * 3810 < 32768) before one vpmaddwd widens them.
+// blocks, prefetching the weight stream as AVX-512 does; more rows one half after the other (16 registers; the
+// second reads the tile from L1; bench/NOTES.md entry 39). 4-bit: vpmaddubsw of the unsigned weights (0..15)
+// against the activations (-127..127) cannot saturate (2 * 15 * 127), so a sub-block's 8 products add up in 16
+// bits (8 * 3810 < 32768) before one vpmaddwd widens them.
 // 8-bit: vpmaddubsw of |q - 128| against the activations given the sign of q - 128 (|q - 128| <= 128: each pair
 // <= 2 * 128 * 127, no saturation), widened at once; that computes (q - 128) . qa, the zero point taken off.
 // Up to 4 rows share each unpacked weight register. Without either: plain loops with the same arithmetic.
@@ -218,6 +217,9 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
 #endif
 
 #if defined(ENGINE_KERNELS_AVX2) && !defined(ENGINE_KERNELS_VNNI)
+// Keeps x's additions in the order written: GCC reassociates a row's sums into a tree and spills them (NOTES 39).
+inline void in_order(__m256i& x) { asm("" : "+x"(x)); }
+
 // Sub-block products of R rows against half `half` (8 columns) of one sub-block at p, added to dot[R] (int32).
 template <int Bits, int R>
 inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256i dot[R]) {
@@ -235,6 +237,7 @@ inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256
       for (int r = 0; r < R; ++r) {
         lows[r] = _mm256_add_epi16(lows[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][l])));
         highs[r] = _mm256_add_epi16(highs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][l + 4])));
+        in_order(lows[r]), in_order(highs[r]);
       }
     }
     ENGINE_UNROLL
@@ -251,6 +254,7 @@ inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256
       for (int r = 0; r < R; ++r) {
         const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(a[r][i]), w);
         dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
+        in_order(dot[r]);
       }
     }
   }
@@ -296,9 +300,8 @@ void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, int 
         ENGINE_UNROLL
         for (int r = 0; r < R; ++r) {
           const float scale = da[r * j.groups + b];
-          const int32_t total = sum[r * j.groups + b];
-          const __m256i unsigned_dot = Bits == 8 ? _mm256_add_epi32(dot[h][r], _mm256_set1_epi32(128 * total))
-                                                 : dot[h][r];
+          const __m256i unsigned_dot =
+              Bits == 8 ? _mm256_add_epi32(dot[h][r], _mm256_set1_epi32(128 * sum[r * j.groups + b])) : dot[h][r];
           acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(j.a->dasum[(t0 + r) * j.groups + b]), acc[h][r]);
           acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unsigned_dot), _mm256_mul_ps(d, _mm256_set1_ps(scale)),
                                       acc[h][r]);
@@ -324,8 +327,7 @@ void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, int 
   }
 }
 
-// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16). One or two rows take both halves of
-// 8 columns in one pass over the blocks; more rows take a pass per half (AVX2's 16 registers).
+// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16), in one pass or a pass per half.
 template <int Bits, bool Offsets, int R, int Subs>
 void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
   if constexpr (R <= 2) {
