@@ -56,6 +56,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+try:
+    from engine.plugins import bf16_matmul
+except ModuleNotFoundError:   # before anything is measured or written: outside the venv every step would fail
+    raise SystemExit("bench/compare.py needs the engine installed: run .venv/bin/python bench/compare.py") from None
 import compare_models as models  # noqa: E402
 from compare_machine import installed, machine, versions  # noqa: E402
 import compare_report as report  # noqa: E402
@@ -245,9 +249,8 @@ def run_all(args: argparse.Namespace) -> dict:
         return lambda: r.worker("engine", r.spec(engine_dir=str(
             models.ensure_engine(cache, source, variant, **build_opts))))
 
-    from engine.plugins import bf16_matmul
-    no_bf16 = "" if bf16_matmul.supported(bf16_matmul.CHUNK) else \
-        "this CPU has no AVX-512 BF16 dot products, which the bfloat16 lm_head's kernel is written for"
+    no_bf16 = "" if bf16_matmul.supported(bf16_matmul.CHUNK) else (
+        "this CPU has no AVX-512 BF16 dot products, which the bfloat16 lm_head's kernel is written for")
     for variant, (flags, weights) in models.ENGINE_VARIANTS.items():
         r.step(f"engine-{variant}", "engine (session step)", weights, engine(variant),
                missing=no_bf16 if "bfloat16" in flags else "")
