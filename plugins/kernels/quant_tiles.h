@@ -265,7 +265,7 @@ inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256
 template <int Bits, bool Offsets, int R, int Subs, int H>
 void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, int h0) {
   const int64_t subs = Subs ? Subs : j.group / kSub;
-  const float* da = j.a->d.data() + t0 * j.groups;
+  const float *da = j.a->d.data() + t0 * j.groups, *dasum = j.a->dasum.data() + t0 * j.groups;
   const int32_t* sum = j.a->sum.data() + t0 * j.groups;
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
   __m256 acc[H][R];
@@ -302,7 +302,7 @@ void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, int 
           const float scale = da[r * j.groups + b];
           const __m256i unsigned_dot =
               Bits == 8 ? _mm256_add_epi32(dot[h][r], _mm256_set1_epi32(128 * sum[r * j.groups + b])) : dot[h][r];
-          acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(j.a->dasum[(t0 + r) * j.groups + b]), acc[h][r]);
+          acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dasum[r * j.groups + b]), acc[h][r]);
           acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(unsigned_dot), _mm256_mul_ps(d, _mm256_set1_ps(scale)),
                                       acc[h][r]);
         }

@@ -50,7 +50,7 @@ def expected(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
     return (quant_matmul.reference_bf16 if bf16 else quant_matmul.reference)(x, q)
 
 
-WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40: the last tile of 16 columns is partial
+WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40 or 44: the last tile of 16 columns is partial
     "q4_1": lambda n, k: q4_1_weight(n, k, 1),
     "int4_g32": lambda n, k: rtn_weight(n, k, 4, 32, 2),
     "int8_g32": lambda n, k: rtn_weight(n, k, 8, 32, 3),
@@ -63,20 +63,13 @@ WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40: the last tile of 16 co
 # rows in groups of 4 (a short last group), chunks of 64 rows; on AMX groups of 16 (the rest in groups of 4), and
 # from 64 rows bfloat16 tiles: pairs of row groups, a short last group
 @pytest.mark.parametrize("tokens", [1, 3, 6, 63, 70, 300])
-def test_matches_float64_reference(weight, tokens):
-    q = WEIGHTS[weight](40, 256)
+# the last tile of 16 columns partial: 8 columns (one AVX2 half), or 12 (one and two rows take both halves in one
+# pass, the second partial)
+@pytest.mark.parametrize("n", [40, 44])
+def test_matches_float64_reference(weight, tokens, n):
+    q = WEIGHTS[weight](n, 256)
     x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
     x[0, :32] = 0   # a block of zeros: scale 0, nothing added
-    want = expected(x, q)
-    assert_close(quant_matmul_op(x, q), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-
-
-@pytest.mark.parametrize("weight", sorted(WEIGHTS))
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_few_rows_with_a_partial_tile_of_12_columns(weight, tokens):
-    """One or two rows (AVX2 takes both halves of 8 columns in one pass), the last tile 12 columns wide."""
-    q = WEIGHTS[weight](44, 256)
-    x = np.random.default_rng(tokens + 10).standard_normal((tokens, 256)).astype(np.float32)
     want = expected(x, q)
     assert_close(quant_matmul_op(x, q), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
