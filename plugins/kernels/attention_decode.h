@@ -57,32 +57,38 @@ inline void stage(const P* base, const int64_t* keys, int64_t n, int64_t bytes, 
 namespace simd {
 
 // scores[u * stride + i] = q_u . k_i for NH query heads q_u = q + u * hd of one KV head, k_i = k + keys[i]: four
-// keys at a time, each key vector loaded once for all heads, the four sums of a head folded together.
+// keys at a time (three where 4 NH accumulators, 4 keys and q would not fit the registers: AVX2 and 3 heads,
+// bench/NOTES.md entry 40), each key vector loaded once for all heads, the sums of a head folded together.
 template <class V, int NH, typename P>
 void score_keys(const float* q, const P* k, const int64_t* keys, int64_t n, int64_t hd, float* scores,
                 int64_t stride) {
   using T = typename V::T;
+  constexpr int kKeys = 4 * NH + 5 <= kVectorRegisters ? 4 : 3;
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    T acc[NH][4];
+  for (; i + kKeys <= n; i += kKeys) {
+    T acc[NH][kKeys];
     ENGINE_UNROLL
     for (int u = 0; u < NH; ++u)
       ENGINE_UNROLL
-      for (int j = 0; j < 4; ++j) acc[u][j] = V::zero();
+      for (int j = 0; j < kKeys; ++j) acc[u][j] = V::zero();
     for (int64_t d = 0; d < hd; d += V::N) {
-      T kv[4];
+      T kv[kKeys];
       ENGINE_UNROLL
-      for (int j = 0; j < 4; ++j) kv[j] = V::load(k + keys[i + j] + d);
+      for (int j = 0; j < kKeys; ++j) kv[j] = V::load(k + keys[i + j] + d);
       ENGINE_UNROLL
       for (int u = 0; u < NH; ++u) {
         const T qv = V::load(q + u * hd + d);
         ENGINE_UNROLL
-        for (int j = 0; j < 4; ++j) acc[u][j] = V::fmadd(qv, kv[j], acc[u][j]);
+        for (int j = 0; j < kKeys; ++j) acc[u][j] = V::fmadd(qv, kv[j], acc[u][j]);
       }
     }
     ENGINE_UNROLL
-    for (int u = 0; u < NH; ++u)
-      sums4(V::fold(acc[u][0]), V::fold(acc[u][1]), V::fold(acc[u][2]), V::fold(acc[u][3]), scores + u * stride + i);
+    for (int u = 0; u < NH; ++u) {
+      float sums[4];
+      sums4(V::fold(acc[u][0]), V::fold(acc[u][1]), V::fold(acc[u][2]),
+            kKeys == 4 ? V::fold(acc[u][kKeys - 1]) : _mm256_setzero_ps(), sums);  // (a fourth of zeros)
+      std::memcpy(scores + u * stride + i, sums, kKeys * sizeof(float));
+    }
   }
   for (; i < n; ++i) {
     T acc[NH];
@@ -93,8 +99,13 @@ void score_keys(const float* q, const P* k, const int64_t* keys, int64_t n, int6
       ENGINE_UNROLL
       for (int u = 0; u < NH; ++u) acc[u] = V::fmadd(V::load(q + u * hd + d), kv, acc[u]);
     }
+    const __m256 zero = _mm256_setzero_ps();
     ENGINE_UNROLL
-    for (int u = 0; u < NH; ++u) scores[u * stride + i] = hsum(V::fold(acc[u]));
+    for (int u = 0; u < NH; ++u) {  // the same order of additions as the groups'
+      float sums[4];
+      sums4(V::fold(acc[u]), zero, zero, zero, sums);
+      scores[u * stride + i] = sums[0];
+    }
   }
 }
 

@@ -228,17 +228,27 @@ inline void weighted_chunk(const float* p, int64_t pu, int64_t pi, const int64_t
     for (int w = 0; w < W; ++w) V::store(out[u] + V::N * w, acc[u][w]);
 }
 
-// weighted_chunk over the head size (a multiple of V::N), 4 vectors of channels at a time.
+// Vector registers of the target: AVX2's 16, AVX-512's 32 (for 8 lanes too).
+#ifdef __AVX512F__
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
+// weighted_chunk over the head size (a multiple of V::N), up to 4 vectors of channels at a time: as many as keep
+// the NH * W accumulators, W value vectors and the broadcast weight in registers. On AVX2, 3 rows at 4 vectors
+// spilled an accumulator, whose store and reload then sat in every key's chain (bench/NOTES.md entry 40).
 template <class V, int NH, bool Add, typename P>
 void weighted_rows(const float* p, int64_t pu, int64_t pi, const int64_t* keys, int64_t n, const P* v, int64_t hd,
                    float* const* out) {
-  for (int64_t c = 0; c < hd; c += 4 * V::N) {
+  constexpr int kW = std::min(4, (kVectorRegisters - 1) / (NH + 1));
+  for (int64_t c = 0; c < hd; c += kW * V::N) {
     float* o[NH];
     ENGINE_UNROLL
     for (int u = 0; u < NH; ++u) o[u] = out[u] + c;
-    switch (std::min<int64_t>(4, (hd - c) / V::N)) {
-      case 4: weighted_chunk<V, NH, 4, Add>(p, pu, pi, keys, n, v + c, o); break;
-      case 3: weighted_chunk<V, NH, 3, Add>(p, pu, pi, keys, n, v + c, o); break;
+    switch (std::min<int64_t>(kW, (hd - c) / V::N)) {
+      case 4: if constexpr (kW >= 4) weighted_chunk<V, NH, 4, Add>(p, pu, pi, keys, n, v + c, o); break;
+      case 3: if constexpr (kW >= 3) weighted_chunk<V, NH, 3, Add>(p, pu, pi, keys, n, v + c, o); break;
       case 2: weighted_chunk<V, NH, 2, Add>(p, pu, pi, keys, n, v + c, o); break;
       default: weighted_chunk<V, NH, 1, Add>(p, pu, pi, keys, n, v + c, o);
     }
