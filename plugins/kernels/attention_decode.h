@@ -58,7 +58,7 @@ namespace simd {
 
 // scores[u * stride + i] = q_u . k_i for NH query heads q_u = q + u * hd of one KV head, k_i = k + keys[i]: four
 // keys at a time (three where 4 NH accumulators, 4 keys and q would not fit the registers: AVX2 and 3 heads,
-// bench/NOTES.md entry 40), each key vector loaded once for all heads, the sums of a head folded together.
+// bench/NOTES.md entry 40), each key vector loaded once for all heads, the sums of a head folded together (sums_of).
 template <class V, int NH, typename P>
 void score_keys(const float* q, const P* k, const int64_t* keys, int64_t n, int64_t hd, float* scores,
                 int64_t stride) {
@@ -84,10 +84,10 @@ void score_keys(const float* q, const P* k, const int64_t* keys, int64_t n, int6
     }
     ENGINE_UNROLL
     for (int u = 0; u < NH; ++u) {
-      float sums[4];
-      sums4(V::fold(acc[u][0]), V::fold(acc[u][1]), V::fold(acc[u][2]),
-            kKeys == 4 ? V::fold(acc[u][kKeys - 1]) : _mm256_setzero_ps(), sums);  // (a fourth of zeros)
-      std::memcpy(scores + u * stride + i, sums, kKeys * sizeof(float));
+      __m256 folded[kKeys];
+      ENGINE_UNROLL
+      for (int j = 0; j < kKeys; ++j) folded[j] = V::fold(acc[u][j]);
+      sums_of<kKeys>(folded, scores + u * stride + i);
     }
   }
   for (; i < n; ++i) {
@@ -99,12 +99,10 @@ void score_keys(const float* q, const P* k, const int64_t* keys, int64_t n, int6
       ENGINE_UNROLL
       for (int u = 0; u < NH; ++u) acc[u] = V::fmadd(V::load(q + u * hd + d), kv, acc[u]);
     }
-    const __m256 zero = _mm256_setzero_ps();
     ENGINE_UNROLL
-    for (int u = 0; u < NH; ++u) {  // the same order of additions as the groups'
-      float sums[4];
-      sums4(V::fold(acc[u]), zero, zero, zero, sums);
-      scores[u * stride + i] = sums[0];
+    for (int u = 0; u < NH; ++u) {  // summed in the groups' order
+      const __m256 folded = V::fold(acc[u]);
+      sums_of<1>(&folded, scores + u * stride + i);
     }
   }
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -147,10 +148,16 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
-// out[j] = the sum of a_j's lanes, j < 4: two rounds of pairwise sums instead of a horizontal sum per vector.
-inline void sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* out) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+// out[j] = the sum of a[j]'s lanes, j < J <= 4: two rounds of pairwise sums instead of a horizontal sum per vector.
+// Vectors past J count as zeros, so each sum is added in the same order whatever J is.
+template <int J>
+inline void sums_of(const __m256* a, float* out) {
+  static_assert(J >= 1 && J <= 4, "sums_of folds 1 to 4 vectors");
+  const auto at = [a](int j) { return j < J ? a[j] : _mm256_setzero_ps(); };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
+  float sums[4];
+  _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  std::memcpy(out, sums, J * sizeof(float));
 }
 
 // The loops over heads and keys are written once over a vector type: V8 (AVX2 + FMA, 8 lanes) or, where the
