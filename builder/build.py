@@ -384,6 +384,8 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
                     progress(engine_file(job.rank, build.backend))
         if build.backend == "tensorrt":
             config = dataclasses.replace(config, backend_device=trtb.device_stamp(build).record())
+        elif build.tp_size == 1 and plugins.engine_kernels_plugin:
+            config = dataclasses.replace(config, thread_pool=ortb.thread_pool(tmp / engine_file(0)))
         copy_tokenizer_files(ckpt_dir, tmp)
         # last: the manifest lists every other file (the accuracy report below changes config.json only)
         config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import onnx
 
+from engine.builder.graph import ENGINE_DOMAIN
 from engine.plugins import native
 
 OPT_LEVELS = ("disable", "basic", "extended", "all")
@@ -64,6 +65,18 @@ def optimize(raw: Path, out: Path, *, opt_level: str, fold_at_load: bool = False
     del session
     raw.unlink()
     raw.with_name(f"{raw.name}.data").unlink(missing_ok=True)
+
+
+# The ONNX Runtime ops a graph of the engine's kernels still holds (the embedding Gather, a final norm, a residual
+# Add): at most tokens x hidden elements each, so on one thread they cost microseconds a step.
+SERIAL_OPS = frozenset({"Gather", "Add", "RMSNormalization"})
+
+
+def thread_pool(path: Path) -> str:
+    """EngineConfig.thread_pool of the saved graph `path`: "engine" when every node is one of the engine's kernels
+    or in SERIAL_OPS, else "onnxruntime"."""
+    ours = all(op.startswith(f"{ENGINE_DOMAIN}.") or op in SERIAL_OPS for op in op_counts(path))
+    return "engine" if ours else "onnxruntime"
 
 
 def op_counts(path: Path) -> dict[str, int]:

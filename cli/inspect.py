@@ -64,7 +64,8 @@ def inspect_command(
         return
     console = Console()
     console.print(_table("model", _fields(config.model)))
-    console.print(_table("build", _fields(config.build) + _fields(config.mapping)))
+    console.print(_table("build", _fields(config.build) + _fields(config.mapping) +
+                         [("thread_pool", config.thread_pool)]))
     console.print(_table("plugins", [(k, "enable" if v else "disable") for k, v in _fields(config.plugins)]))
     b = config.build.backend
     console.print(_table("versions", [

@@ -147,6 +147,10 @@ class EngineConfig:
     precision: dict = field(default_factory=dict)  # what runs at which precision, for `engine inspect`
     toolchain_version: str = ""
     backend_version: str = ""
+    # which threads run the graph's parallel work on onnxruntime: "engine" when every node that computes in parallel
+    # is one of the engine's kernels (plugins/kernels/), which then run on their own pool (spin_pool.h) while ONNX
+    # Runtime's few other nodes run on one thread; else "onnxruntime", its intra-op pool, which the kernels share
+    thread_pool: str = "onnxruntime"
     # TensorRT engines: the GPU they were built for (runtime/trt_session.DeviceStamp: compute_capability,
     # device_name, max_slots); loading refuses another architecture. {} on onnxruntime
     backend_device: dict = field(default_factory=dict)

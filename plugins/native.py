@@ -6,6 +6,7 @@
                              renamed into place, so concurrent first uses and an interrupted compile never leave a
                              broken library behind
     register(options)        SessionOptions.register_custom_ops_library(library()): the ops of domain "engine"
+    THREADS_ENTRY            the session config entry that gives the kernels their own thread pool
 
 -march=native because the library is compiled on the machine that runs it, like the engine itself
 (builder/onnxruntime_backend.py: an engine is built on the kind of machine that runs it).
@@ -27,7 +28,9 @@ from engine.core.errors import EngineError
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cc"))
 FLAGS = ["-O3", "-march=native", "-mtune=generic", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-         "-fno-math-errno"]
+         "-fno-math-errno", "-pthread"]
+# never unloaded: the kernels' own pool (kernels/spin_pool.h) keeps threads that run the library's code
+LINK_FLAGS = ["-Wl,-z,nodelete"]
 COMPILE_TIMEOUT_S = 300
 
 
@@ -47,7 +50,7 @@ def _digest(cxx: str) -> str:
     h = hashlib.sha256()
     for path in sorted(KERNELS.iterdir()):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
-    h.update(" ".join([cxx, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    h.update(" ".join([cxx, *FLAGS, *LINK_FLAGS, platform.machine(), _cpu_flags()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -84,7 +87,7 @@ def library() -> Path:
     try:
         objects = _compile_objects(cxx, work)
         tmp = work / target.name
-        _run(cxx, [*FLAGS, *map(str, objects), "-o", str(tmp)])
+        _run(cxx, [*FLAGS, *LINK_FLAGS, *map(str, objects), "-o", str(tmp)])
         os.replace(tmp, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -117,3 +120,26 @@ def _run(cxx: str, args: list[str]) -> None:
 def register(options) -> None:
     """Add the kernels' custom op domain to ONNX Runtime SessionOptions `options`."""
     options.register_custom_ops_library(str(library()))
+
+
+# The session config entry that gives the kernels their own pool of that many threads (kernels/ort_abi.h
+# kThreadsEntry); kernels read it through KernelInfo_GetConfigEntries, which ONNX Runtime has since 1.24.
+THREADS_ENTRY = "engine.kernel_threads"
+OWN_POOL_ORT = (1, 24)
+
+
+def own_pool_supported(ort_version: str) -> bool:
+    return tuple(int(p) for p in ort_version.split(".")[:2]) >= OWN_POOL_ORT
+
+
+def default_threads() -> int:
+    """The cores this process may run on, hyper-thread siblings counted once: ONNX Runtime's default intra-op
+    pool size, and so the own pool's when no thread count is given."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return len(cores)

@@ -113,10 +113,24 @@ def engine_session_options(config: EngineConfig, threads: int | None) -> ort.Ses
     if config.plugins.engine_kernels_plugin and config.build.backend == "onnxruntime":
         native.register(so)
     so.log_severity_level = 3
+    pool = kernel_pool_threads(config, threads)
+    if pool:  # the kernels' own pool takes the threads; ORT's pool keeps only the calling thread
+        so.add_session_config_entry(native.THREADS_ENTRY, str(pool))
+        threads = 1
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
     return so
+
+
+def kernel_pool_threads(config: EngineConfig, threads: int | None) -> int | None:
+    """The threads of the kernels' own pool (plugins/kernels/spin_pool.h) for an engine whose parallel work all
+    runs in them (EngineConfig.thread_pool "engine"), or None: ORT's intra-op pool, which the kernels then share
+    through KernelContext_ParallelFor, a hand-over ~0.8 us a call dearer (bench/NOTES.md entry 41)."""
+    if config.thread_pool != "engine" or not native.own_pool_supported(ort.__version__):
+        return None
+    threads = threads or native.default_threads()
+    return threads if threads > 1 else None
 
 
 def load_ort_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:

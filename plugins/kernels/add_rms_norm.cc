@@ -76,7 +76,7 @@ void compute(void* opaque, OrtKernelContext* context) {
 
 void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
   using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
-  Api api(table);
+  Api api(table, info);
   float epsilon = 0;
   api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "epsilon", &epsilon);
   require(epsilon >= 0, kName, "epsilon must not be negative");

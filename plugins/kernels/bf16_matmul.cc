@@ -207,7 +207,7 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
 
 void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  Api api(table);
+  Api api(table, info);
   int64_t n = 1;  // Bf16Gather reads its sizes from the table
   if (!gather) api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "N", &n);
   require(n > 0, kName, "N must be positive");

@@ -124,7 +124,7 @@ void compute(void* opaque, OrtKernelContext* context) {
 
 void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  Api api(table);
+  Api api(table, info);
   int64_t group = 0;
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "group_size", &group);
   require(group > 0, kName, "group_size must be positive");

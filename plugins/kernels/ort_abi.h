@@ -7,9 +7,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "spin_pool.h"
 
 namespace engine_kernels {
 
@@ -20,6 +23,7 @@ struct OrtKernelInfo;
 struct OrtTypeShape;
 struct OrtSessionOptions;
 struct OrtCustomOpDomain;
+struct OrtKeyValuePairs;
 
 // Slots of the OrtApi function table used here (version 1 unless noted).
 enum Slot : int {
@@ -37,7 +41,10 @@ enum Slot : int {
   kKernelContextGetOutput = 91,
   kReleaseStatus = 93,
   kReleaseTypeShape = 99,
-  kKernelContextParallelFor = 274,  // since version 17 (ORT 1.17)
+  kKernelContextParallelFor = 274,    // since version 17 (ORT 1.17)
+  kGetKeyValue = 297,                 // since version 22 (ORT 1.22)
+  kReleaseKeyValuePairs = 300,        // since version 22
+  kKernelInfoGetConfigEntries = 391,  // since version 24 (ORT 1.24)
 };
 
 // ONNXTensorElementDataType values.
@@ -48,9 +55,18 @@ struct OrtApiBase {
   const char* (*GetVersionString)();
 };
 
+// The OrtApi table again where it has KernelInfo_GetConfigEntries (version 24, ORT 1.24), set by RegisterCustomOps.
+inline void* const* g_api24 = nullptr;
+
+// The session config entry runtime/session.py sets on engines whose EngineConfig.thread_pool is "engine": how many
+// threads the kernels' own pool has (spin_pool.h; ORT's intra-op pool then has one). Absent, or before ORT 1.24,
+// the kernels share ORT's intra-op pool.
+constexpr const char* kThreadsEntry = "engine.kernel_threads";
+
 class Api {
  public:
-  explicit Api(const void* table) : table_(static_cast<void* const*>(table)) {}
+  // `info`: the kernel's, whose session config says which pool its parallel_for calls use
+  Api(const void* table, const OrtKernelInfo* info) : table_(static_cast<void* const*>(table)), pool_(pool_of(info)) {}
 
   template <typename Fn, typename... Args>
   void call(Slot slot, Args... args) const {
@@ -75,9 +91,23 @@ class Api {
   }
 
   void* const* table() const { return table_; }
+  SpinPool* pool() const { return pool_; }
 
  private:
+  SpinPool* pool_of(const OrtKernelInfo* info) const {
+    if (g_api24 == nullptr) return nullptr;
+    using GetEntries = OrtStatus* (*)(const OrtKernelInfo*, OrtKeyValuePairs**);
+    using GetValue = const char* (*)(const OrtKeyValuePairs*, const char*);
+    OrtKeyValuePairs* entries = nullptr;
+    check(reinterpret_cast<GetEntries>(g_api24[kKernelInfoGetConfigEntries])(info, &entries));
+    const char* value = reinterpret_cast<GetValue>(g_api24[kGetKeyValue])(entries, kThreadsEntry);
+    const int threads = value ? std::atoi(value) : 0;
+    reinterpret_cast<void (*)(OrtKeyValuePairs*)>(g_api24[kReleaseKeyValuePairs])(entries);
+    return threads > 1 ? SpinPool::shared(threads) : nullptr;
+  }
+
   void* const* table_;
+  SpinPool* pool_;
 };
 
 struct Tensor {
@@ -164,16 +194,21 @@ inline KernelOp simple_op(const char* name, int input_type, size_t inputs, int o
                           void (*compute)(void* api, OrtKernelContext* context)) {
   return kernel_op(
       name, std::vector<int>(inputs, input_type), output_type, 1,
-      [](CustomOp*, const void* table, const OrtKernelInfo*) -> void* { return new Api(table); }, compute,
+      [](CustomOp*, const void* table, const OrtKernelInfo* info) -> void* { return new Api(table, info); }, compute,
       destroy_kernel<Api>);
 }
 
 // KernelContext_ParallelFor of the table GetApi(17) returns, set by RegisterCustomOps (null before ORT 1.17).
 inline void* g_parallel_for = nullptr;
 
-// fn(data, i) for i < items on ORT's intra-op threads, or one after the other without ParallelFor.
+// fn(data, i) for i < items on the kernel's own pool, or ORT's intra-op threads, or one after the other without
+// ParallelFor.
 inline void parallel_for(const Api& api, OrtKernelContext* context, size_t items, void (*fn)(void*, size_t),
                          void* data) {
+  if (api.pool()) {
+    api.pool()->run(items, fn, data);
+    return;
+  }
   using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
   if (g_parallel_for)
     api.check(reinterpret_cast<ParallelFor>(g_parallel_for)(context, fn, items, 0, data));

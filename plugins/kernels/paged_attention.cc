@@ -303,7 +303,7 @@ struct PagedAttentionOp : CustomOp {
 void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
   using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
-  Api api(table);
+  Api api(table, info);
   const auto* described = static_cast<PagedAttentionOp*>(op);
   Kernel kernel{api, 0, 0, 0.0f, 0.0f, described->pool_type, described->rotary};
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_heads", &kernel.heads);

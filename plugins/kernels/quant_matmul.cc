@@ -209,7 +209,7 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
 
 void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  Api api(table);
+  Api api(table, info);
   int64_t n = 0, bits = 0, group = 0, offsets = 0;
   if (gather) n = 1;  // QuantGather reads its sizes from the table
   else api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "N", &n);

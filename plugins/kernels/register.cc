@@ -16,6 +16,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   namespace k = engine_kernels;
   auto* t = static_cast<void* const*>(base->GetApi(1));
   if (auto* v17 = static_cast<void* const*>(base->GetApi(17))) k::g_parallel_for = v17[k::kKernelContextParallelFor];
+  k::g_api24 = static_cast<void* const*>(base->GetApi(24));
   // Each session's domain must outlive it: domains are created per registration and never released.
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* st = reinterpret_cast<CreateDomain>(t[k::kCreateCustomOpDomain])("engine", &domain)) return st;

@@ -34,15 +34,19 @@ def build(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray]
 
 
 def run_op(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray],
-           level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL, threads: int = 1):
+           level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL, threads: int = 1,
+           pool: int | None = None):
     """Returns the op's output (a tuple when fn returns several values). Graphs with the engine's own ops
-    (plugins/native.py) get its kernel library registered."""
+    (plugins/native.py) get its kernel library registered; `pool` gives the kernels their own pool of that many
+    threads (ORT's intra-op pool one), as engines whose EngineConfig.thread_pool is "engine" run."""
     g, outputs = build(fn, feeds)
     model = g.model()
     onnx.checker.check_model(model, full_check=True)   # valid ONNX, standard ops' types and attributes included
     opts = ort.SessionOptions()
     opts.graph_optimization_level = level
-    opts.intra_op_num_threads = threads
+    opts.intra_op_num_threads = 1 if pool else threads
+    if pool:
+        opts.add_session_config_entry(native.THREADS_ENTRY, str(pool))
     if uses_engine_kernels(model):
         native.register(opts)
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])

@@ -32,11 +32,12 @@ def rtn_weight(n: int, k: int, bits: int, group: int, seed: int) -> QuantizedWei
     return quantize(w, WeightOnlyScheme(bits, group, accuracy_level=4))
 
 
-def quant_matmul_op(x: np.ndarray, q: QuantizedWeight, threads: int = 2) -> np.ndarray:
+def quant_matmul_op(x: np.ndarray, q: QuantizedWeight, threads: int = 2, pool: int | None = None) -> np.ndarray:
     n, _ = q.shape
     return run_op(lambda g, xs: g.scope("/proj")("QuantMatMul", [xs, g.weight("proj.weight", quant_matmul.pack(q))],
                                                  domain=ENGINE_DOMAIN, N=n, bits=q.bits, group_size=q.group_size,
-                                                 offsets=int(q.offsets is not None)), {"x": x}, threads=threads)
+                                                 offsets=int(q.offsets is not None)), {"x": x}, threads=threads,
+                  pool=pool)
 
 
 AMX = {"amx_tile", "amx_int8"} <= set(native._cpu_flags().split())

@@ -114,3 +114,25 @@ def test_group_size_must_divide_in_features(tiny, tmp_path):
         build_engine(tiny.checkpoint("LlamaForCausalLM"), tmp_path / "e", TEST_BUILD, ALL_PLUGINS,
                      quant=QuantConfig(mode="w4a8_awq"))
     assert not (tmp_path / "e").exists()
+
+
+# Gemma2's GeGLU (Split, Gelu, Mul) and logit soft-cap (Div, Tanh, Mul) are ORT nodes: it keeps ORT's pool
+@pytest.mark.parametrize("key,kernels_only", [(k, not k.startswith("Gemma2")) for k in KEYS])
+def test_engines_of_kernels_give_them_the_threads(tiny, key, kernels_only, monkeypatch):
+    """A quantized engine whose parallel nodes are all the engine's kernels records thread_pool "engine": its
+    session runs them on their own pool (plugins/kernels/spin_pool.h) and computes exactly what ORT's intra-op
+    pool computes. An engine with ORT MatMuls (lm_head float32) keeps ORT's pool."""
+    from engine.runtime import session as session_module
+    engine = quant_engine(tiny, key, "int8_wo", lm_head=True)
+    config = load_engine_config(engine)
+    own_pool = kernels_only and PROJECTION_OP.startswith("engine.")
+    assert config.thread_pool == ("engine" if own_pool else "onnxruntime"), op_counts(engine / "rank0.onnx")
+    assert load_engine_config(quant_engine(tiny, key, "int8_wo")).thread_pool == "onnxruntime"
+    assert session_module.kernel_pool_threads(config, 2) == (2 if own_pool else None)
+    batch = prompts(3, (5, 9, 2))
+    own = _logits(engine, batch)
+    monkeypatch.setattr(session_module, "kernel_pool_threads", lambda config, threads: None)
+    shared = _logits(engine, batch)
+    assert own[1] == shared[1]
+    np.testing.assert_array_equal(own[0], shared[0])
+    np.testing.assert_array_equal(own[2], shared[2])
