@@ -1,11 +1,12 @@
 // SpinPool: the kernels' own intra-op threads, for sessions whose parallel work all runs in the engine's kernels.
 //
-// ORT's KernelContext_ParallelFor costs ~2 us a call on two threads (bench/NOTES.md entry 40: ~150 calls a SmolLM2
-// decode step). Here a call is one store of a generation the spinning workers watch; the items are cut into one
-// contiguous shard per thread, as ORT's loop counter cuts them, each thread claims its own shard's items one by one
-// (an uncontended fetch_add on the shard's own cache line) and then steals from the other shards, so a step whose
-// items differ in cost (causal attention tiles) stays balanced. A worker spins kSpinMicros after its last item,
-// then sleeps on a futex until the next call. Items must not throw.
+// ORT's KernelContext_ParallelFor costs ~2 us a call on two threads (bench/NOTES.md entry 40), ~180 calls a SmolLM2
+// decode step; this pool's calls cost ~0.8 us less (entry 41). Here a call is one store of a generation the
+// spinning workers watch; the items are cut into one contiguous shard per thread, as ORT's loop counter cuts them,
+// each thread claims its own shard's items one by one (an uncontended fetch_add on the shard's own cache line) and
+// then steals from the other shards, so a step whose items differ in cost (causal attention tiles) stays balanced.
+// A worker spins kSpinMicros after its last item (longer than the Python between two decode steps, ~0.2 ms), then
+// sleeps on a futex until the next call, so an idle server holds no core. Items must not throw.
 //
 // A shard is one 64-bit word, its end (high 32 bits) and next item (low 32), so a claim reads both at once: a
 // worker that claims late, after its call ended and the next one began, claims an item of the next call, whose fn
@@ -18,6 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -42,8 +44,9 @@ class SpinPool {
   static constexpr size_t kMaxItems = (size_t{1} << 31);  // a shard's next may run past its end by the threads
 
   // The pool of `threads` threads (the caller and threads - 1 workers) this process shares between the kernels of
-  // every session that asks for that many: sessions run one after another (a tp rank's segments, tests), so one
-  // set of spinning workers serves them all. Never destroyed (the library is linked -z nodelete).
+  // every session that asks for that many: two sets of spinning workers would take turns on the same cores, and
+  // sessions mostly run one after another (another caller meanwhile runs its items itself). Never destroyed (the
+  // library is linked -z nodelete).
   static SpinPool* shared(int threads) {
     static std::mutex mutex;
     static std::vector<std::pair<int, SpinPool*>> pools;
