@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from engine.builder.build import rank_tensors
+from engine.builder.rank_tensors import rank_tensors
 from engine.builder.memory import memory_plan, plan_rows
 from engine.builder.model_graph import build_graph
 from engine.core.artifacts import load_checkpoint_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.builder.build import rank_tensors
+from engine.builder.rank_tensors import rank_tensors
 from engine.core.artifacts import load_checkpoint_config
 
 # Tied embeddings, one KV head (replicated across ranks), qkv bias: the cases resharding treats specially.

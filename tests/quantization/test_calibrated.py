@@ -11,7 +11,8 @@ import onnx
 import pytest
 import torch
 
-from engine.builder.build import build_engine, rank_tensors
+from engine.builder.build import build_engine
+from engine.builder.rank_tensors import rank_tensors
 from engine.builder.onnxruntime_backend import op_counts
 from engine.builder.reference import ReferenceEngine
 from engine.core.artifacts import load_checkpoint_config

@@ -10,7 +10,8 @@ import onnx
 import pytest
 import torch
 
-from engine.builder.build import build_engine, rank_tensors
+from engine.builder.build import build_engine
+from engine.builder.rank_tensors import rank_tensors
 from engine.builder.onnxruntime_backend import op_counts
 from engine.builder.model_graph import build_graph
 from engine.builder.memory import memory_plan

@@ -16,7 +16,7 @@ from tests.reliability.test_corrupt_files import ONNX, SAFETENSORS, _damage_file
 
 @pytest.mark.parametrize("name", list(SAFETENSORS))
 def test_checkpoint_rank_reader(artifacts, tmp_path, name):
-    from engine.builder.build import rank_tensors
+    from engine.builder.rank_tensors import rank_tensors
     ckpt_dir = copy_artifact(artifacts.checkpoint, tmp_path / "ckpt")
     ckpt = load_checkpoint_config(ckpt_dir)
     path = ckpt_dir / "rank0.safetensors"

@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from engine.builder.build import rank_tensors
+from engine.builder.rank_tensors import rank_tensors
 from engine.builder.graph import MS_DOMAIN
 from engine.builder.model_graph import build_graph
 from engine.builder.tensorrt_backend import tensorrt_plugins
