@@ -28,22 +28,26 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence as Seq, Union
 
-import numpy as np
-
 from engine.core.errors import EngineError
 
 from .engine_core import EngineCore
 from .engine_dir import load_engine_config
 from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
-from .loop_sink import LoopSink, put_all
+from .loop_sink import LoopSink, dispatch
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .request_limits import check_request
 from .scheduler import DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES, SchedulerConfig
 from .request_state import SequenceState
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine.runtime")
+
+
+class EngineLoopStopped(RuntimeError):
+    """The background engine thread died (a bug, not bad input): every request in flight gets it, and so does
+    every later one; only a new LLM runs again. The server answers 500 for the requests in flight, 503 after."""
 
 Prompt = Union[str, Seq[int]]          # text, or token ids used as they are
 Sink = Callable[[Union[RequestOutput, BaseException]], None]
@@ -112,6 +116,7 @@ class LLM:
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._failure: BaseException | None = None   # what stopped the engine loop, if it died
         self._drive_lock = threading.Lock()   # one inline driver at a time
 
     # ---- making requests ---------------------------------------------------------------------------------
@@ -132,31 +137,9 @@ class LLM:
                       priority: int = 0) -> tuple[Sequence, str | None]:
         """Tokenize and check one request; raises EngineError for prompts the engine cannot take."""
         params = params or SamplingParams()
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise EngineError(f"priority {priority!r} must be an integer (lower runs first)")
-        if priority != 0 and self.scheduling_policy != "priority":
-            raise EngineError(f"priority {priority} needs the priority scheduling policy, but this engine runs "
-                              f"{self.scheduling_policy!r} (every request in arrival order, priority 0); start it "
-                              "with scheduling_policy='priority' (--scheduling-policy priority) or drop the priority")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
-        b, vocab = self.config.build, self.config.model.vocab_size
-        if not ids:
-            raise EngineError("the prompt is empty (0 tokens); give at least one token of text")
-        limit = min(b.max_input_len, b.max_seq_len - 1)
-        if len(ids) > limit:
-            raise EngineError(f"the prompt has {len(ids)} tokens, more than this engine takes: max_input_len "
-                              f"{b.max_input_len}, and the maximum context length is {b.max_seq_len} tokens "
-                              f"(prompt + output); shorten the prompt or rebuild with larger --max-input-len / "
-                              f"--max-seq-len")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise EngineError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        max_tokens = params.max_tokens
-        if len(ids) + max_tokens > b.max_seq_len:
-            max_tokens = b.max_seq_len - len(ids)
-            log.warning("max_tokens %d with a %d-token prompt exceeds max_seq_len %d; generating at most %d tokens",
-                        params.max_tokens, len(ids), b.max_seq_len, max_tokens)
+        max_tokens = check_request(self.config, self.scheduling_policy, ids, params, priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Sequence(request_id=rid, prompt_token_ids=ids, params=params, max_tokens=max_tokens,
                         priority=int(priority)), text
@@ -316,6 +299,8 @@ class LLM:
 
     def _submit(self, seq: Sequence, text: str | None, sink: Sink) -> None:
         with self._cond:
+            if self._failure is not None:
+                raise EngineLoopStopped(f"the engine loop stopped ({self._failure!r}); start a new LLM")
             if seq.request_id in self._sinks:
                 raise EngineError(f"request id {seq.request_id!r} is already in flight; use a unique id")
             self._sinks[seq.request_id] = sink
@@ -326,7 +311,14 @@ class LLM:
         # The thread owns the core for its lifetime; it first waits for an inline driver (a sync call that
         # began before start()) to finish.
         with self._drive_lock:
-            self._run_loop()
+            try:
+                self._run_loop()
+            except BaseException as e:  # a bug in a step's hand-over: fail every reader, rather than hang it
+                log.exception("the engine loop stopped")
+                with self._cond:
+                    self._failure, sinks, self._sinks = e, self._sinks, {}
+                for sink in sinks.values():
+                    sink(EngineLoopStopped(f"the engine loop stopped ({e!r}); start a new LLM"))
 
     def _run_loop(self) -> None:
         while True:
@@ -375,14 +367,11 @@ class LLM:
             for o in outputs:
                 if o.finished:
                     self._sinks.pop(o.request_id, None)
-        by_loop: dict = {}
-        for sink, o in sinks:
-            if isinstance(sink, LoopSink):
-                by_loop.setdefault(sink.loop, []).append((sink.queue, o))
-            elif sink is not None:
-                sink(o)
-        for loop, items in by_loop.items():   # one wake-up of each event loop a step, not one per output
-            loop.call_soon_threadsafe(put_all, items)
+        for rid in dispatch(sinks):   # nobody reads these any more: their event loop closed
+            log.warning("request %s aborted: the event loop reading it has closed", rid)
+            with self._cond:
+                self._sinks.pop(rid, None)
+            self.core.abort(rid)
 
     def check_all_free(self) -> None:
         """AssertionError unless no request is in flight and every KV block is back in the pool."""

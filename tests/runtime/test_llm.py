@@ -9,6 +9,7 @@ import pytest
 
 from engine.core.errors import EngineError
 from engine.runtime import LLM, SamplingParams
+from engine.runtime.llm import EngineLoopStopped
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 LENGTHS = (3, 11, 45, 1, 24)  # 45 > max_num_tokens 40: a chunked prefill
@@ -192,3 +193,34 @@ def test_async_requests_from_event_loops_in_two_threads(llm):
     assert not errors and not any(t.is_alive() for t in workers), errors
     assert {i: got.get(i) for i in range(len(ps))} == {i: (w.text, w.token_ids) for i, w in enumerate(want)}
     llm.check_all_free()
+
+
+def test_a_stream_whose_event_loop_closed_unread_costs_only_its_request(llm):
+    """asyncio.run can return (its loop closed) just after a stream was left early, before that stream's abort
+    reaches the engine thread (CI hung on this in test_async_streaming_and_abort): the engine's hand-over to the
+    closed loop aborts that request instead of killing the engine thread, and every other request runs on."""
+    ps = prompts((7, 19), seed=9)
+    want = [o.token_ids for o in llm.generate(ps, GREEDY)]
+    loop = asyncio.new_event_loop()
+    orphan = llm.generate_async(prompts((6,), seed=8)[0], SamplingParams(temperature=0, max_tokens=50,
+                                                                          ignore_eos=True))
+    assert not loop.run_until_complete(orphan.__anext__()).finished
+    loop.close()   # without aborting the stream: no aclose() of it has run
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == want
+    assert llm.is_running()
+    llm.check_all_free()   # the orphan was aborted (or, on a stalled machine, finished) and its blocks came back
+    asyncio.run(orphan.aclose())   # its own abort, now of a request the engine no longer has, changes nothing
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == want
+    llm.check_all_free()
+
+
+def test_an_engine_loop_that_dies_fails_its_readers_instead_of_hanging_them(tiny_engine, monkeypatch):
+    llm = LLM(tiny_engine[1], max_kv_tokens=8 * 64)
+    monkeypatch.setattr(llm, "_dispatch", lambda outputs: 1 / 0)
+    llm.start()
+    with pytest.raises(EngineLoopStopped, match="the engine loop stopped .*ZeroDivisionError"):
+        llm.generate(prompts((5,)), GREEDY)
+    assert not llm.is_running()
+    with pytest.raises(EngineLoopStopped, match="start a new LLM"):   # refused at once, not queued for no one
+        llm.generate(prompts((5,)), GREEDY)
+    llm.close()
