@@ -6,10 +6,10 @@
 //   2 weight    float [H]
 //   out 0       float [T, H]   total / sqrt(mean(total^2) + epsilon) * weight,  total = x + residual
 //   out 1       float [T, H]   total
-// Attribute: epsilon (float). Rows run on ORT's intra-op threads when there are several.
-#include <cmath>
-
-#include "attention_math.h"
+// Attribute: epsilon (float). Rows run on ORT's intra-op threads when there are several. The row's math is
+// add_rms_norm.h's, which QuantMatMulAddRMSNorm (quant_matmul.cc) shares: where the x of a norm is a QuantMatMul's
+// output, that op does the add and the norm itself (plugins/rms_norm.py).
+#include "add_rms_norm.h"
 #include "ort_abi.h"
 
 namespace engine_kernels {
@@ -21,44 +21,6 @@ struct NormKernel {
   Api api;
   float epsilon;
 };
-
-struct NormJob {
-  const float *x, *residual, *weight;
-  float *out, *total;
-  int64_t hidden;
-  float epsilon;
-};
-
-void norm_row(void* opaque, size_t t) {
-  const auto& j = *static_cast<const NormJob*>(opaque);
-  const int64_t offset = static_cast<int64_t>(t) * j.hidden;
-  const float *x = j.x + offset, *r = j.residual + offset;
-  float *out = j.out + offset, *total = j.total + offset;
-  int64_t i = 0;
-  float squares = 0;
-#ifdef ENGINE_KERNELS_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= j.hidden; i += 8) {
-    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(r + i));
-    _mm256_storeu_ps(total + i, v);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  squares = simd::hsum(acc);
-#endif
-  for (; i < j.hidden; ++i) {
-    total[i] = x[i] + r[i];
-    squares += total[i] * total[i];
-  }
-  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(j.hidden) + j.epsilon);
-  i = 0;
-#ifdef ENGINE_KERNELS_AVX2
-  const __m256 scale = _mm256_set1_ps(inv);
-  for (; i + 8 <= j.hidden; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(total + i), scale),
-                                            _mm256_loadu_ps(j.weight + i)));
-#endif
-  for (; i < j.hidden; ++i) out[i] = total[i] * inv * j.weight[i];
-}
 
 void compute(void* opaque, OrtKernelContext* context) {
   const auto& kernel = *static_cast<NormKernel*>(opaque);

@@ -19,6 +19,12 @@
 // SwiGLU op's math, swiglu.h), which the bfloat16 tiles write without storing y. N is padded to whole tiles with
 // zero columns.
 //
+// QuantMatMulAddRMSNorm: QuantMatMul followed by AddRMSNorm (add_rms_norm.cc) of its output in one node, for a
+// projection whose only reader is the residual add and norm after it (plugins/rms_norm.py: o_proj and down_proj of
+// a layer). Inputs 0-1 as QuantMatMul's, 2 residual float [T, N], 3 weight float [N]; out 0 the norm, out 1 the
+// total y + residual (y the projection, written into out 1 and added to in place); attribute epsilon besides
+// QuantMatMul's. One node fewer a norm: ~3 us a node of ORT dispatch at a SmolLM2 decode step (bench/NOTES.md 42).
+//
 // QuantGather (below) reads rows of the same blocks: a tied embedding and a quantized lm_head share one table.
 //
 // The tiles' vector code (AVX-512 VNNI, AVX2) is in quant_tiles.h; rows 16 at a time on AMX's int8 tiles in
@@ -28,6 +34,7 @@
 #include <cstring>
 #include <vector>
 
+#include "add_rms_norm.h"
 #include "ort_abi.h"
 #include "quant_bf16.h"
 #include "swiglu.h"
@@ -43,6 +50,8 @@ struct QuantKernel {
   Api api;
   int64_t n, bits, group;
   bool offsets, swiglu;
+  bool add_norm = false;  // QuantMatMulAddRMSNorm
+  float epsilon = 0;
 };
 
 // Row t of x -> its int8 values, scales and sums, one block at a time.
@@ -110,17 +119,10 @@ void matmul_item(void* opaque, size_t i) {
   }
 }
 
-void compute(void* opaque, OrtKernelContext* context) {
-  const auto& kernel = *static_cast<QuantKernel*>(opaque);
-  const std::vector<Tensor> in = inputs(kernel.api, context, 2);
-  const auto &x = in[0], &w = in[1];
-  require(x.shape.size() == 2, kName, "x must be [T, K]");
+// out [T, N] (or [T, N / 2] with swiglu) = x @ W^T, as the header describes.
+void project(const QuantKernel& kernel, OrtKernelContext* context, const Tensor& x, const Tensor& w, float* out) {
   const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (kernel.n + kLanes - 1) / kLanes;
-  require(k % kernel.group == 0, kName, "K must be a multiple of group_size");
   const int64_t block_bytes = kHeader + kernel.group / kSub * sub_bytes(kernel.bits);
-  require(w.shape == std::vector<int64_t>{tiles, k / kernel.group, block_bytes}, kName,
-          "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
-  float* out = output<float>(kernel.api, context, 0, {tokens, kernel.swiglu ? kernel.n / 2 : kernel.n});
   if (tokens == 0) return;
   // With the SwiGLU epilogue the bfloat16 tiles write silu(gate) * up themselves; the other code writes the
   // projection [T, N] here first.
@@ -156,6 +158,38 @@ void compute(void* opaque, OrtKernelContext* context) {
   SwigluRows rows{projection.data(), out, kernel.n / 2};
   if (tokens == 1) swiglu_row(&rows, 0);
   else parallel_for(kernel.api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
+}
+
+// QuantMatMulAddRMSNorm's epilogue: out 1 (holding the projection) += residual, out 0 = its norm.
+void add_norm(const QuantKernel& kernel, OrtKernelContext* context, const Tensor& residual, const Tensor& weight,
+              int64_t tokens, float* normed, float* total) {
+  NormJob job{total, static_cast<const float*>(residual.data), static_cast<const float*>(weight.data), normed, total,
+              kernel.n, kernel.epsilon};
+  if (tokens == 1) norm_row(&job, 0);  // a decode row: not worth waking the other threads
+  else parallel_for(kernel.api, context, static_cast<size_t>(tokens), norm_row, &job);
+}
+
+void compute(void* opaque, OrtKernelContext* context) {
+  const auto& kernel = *static_cast<QuantKernel*>(opaque);
+  const std::vector<Tensor> in = inputs(kernel.api, context, kernel.add_norm ? 4 : 2);
+  const auto &x = in[0], &w = in[1];
+  require(x.shape.size() == 2, kName, "x must be [T, K]");
+  const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (kernel.n + kLanes - 1) / kLanes;
+  require(k % kernel.group == 0, kName, "K must be a multiple of group_size");
+  const int64_t block_bytes = kHeader + kernel.group / kSub * sub_bytes(kernel.bits);
+  require(w.shape == std::vector<int64_t>{tiles, k / kernel.group, block_bytes}, kName,
+          "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
+  if (!kernel.add_norm) {
+    const int64_t n = kernel.swiglu ? kernel.n / 2 : kernel.n;
+    project(kernel, context, x, w, output<float>(kernel.api, context, 0, {tokens, n}));
+    return;
+  }
+  require(in[2].shape == std::vector<int64_t>{tokens, kernel.n}, kName, "residual must be [T, N]");
+  require(in[3].shape == std::vector<int64_t>{kernel.n}, kName, "the norm weight must be [N]");
+  float* normed = output<float>(kernel.api, context, 0, {tokens, kernel.n});
+  float* total = output<float>(kernel.api, context, 1, {tokens, kernel.n});
+  project(kernel, context, x, w, total);
+  add_norm(kernel, context, in[2], in[3], tokens, normed, total);
 }
 
 // QuantGather: rows `ids` of the weight QuantMatMul's blocks hold, dequantized (a tied embedding reading the
@@ -207,7 +241,7 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
 }
 
-void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
+void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather, bool add_norm = false) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
   Api api(table, info);
   int64_t n = 0, bits = 0, group = 0, offsets = 0;
@@ -221,12 +255,23 @@ void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
   require(group > 0 && group % kSub == 0, kName, "group_size must be a positive multiple of 32");
   const bool swiglu = !gather && api.optional_int(info, "swiglu", 0) != 0;
   require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
-  return new QuantKernel{api, n, bits, group, offsets != 0, swiglu};
+  require(!(swiglu && add_norm), kName, "swiglu=1 has no QuantMatMulAddRMSNorm");
+  float epsilon = 0;
+  if (add_norm) {
+    using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
+    api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "epsilon", &epsilon);
+    require(epsilon >= 0, kName, "epsilon must not be negative");
+  }
+  return new QuantKernel{api, n, bits, group, offsets != 0, swiglu, add_norm, epsilon};
 }
 
 KernelOp kOp = kernel_op(
     kName, {kFloat, kUint8}, kFloat, 1,
     [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, false); },
+    compute, destroy_kernel<QuantKernel>);
+KernelOp kNormOp = kernel_op(
+    "QuantMatMulAddRMSNorm", {kFloat, kUint8, kFloat, kFloat}, kFloat, 2,
+    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, false, true); },
     compute, destroy_kernel<QuantKernel>);
 KernelOp kGatherOp = kernel_op(
     "QuantGather", {kUint8, kInt64}, kFloat, 1,
@@ -235,7 +280,7 @@ KernelOp kGatherOp = kernel_op(
 
 }  // namespace
 
-std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kGatherOp}; }
+std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kNormOp, &kGatherOp}; }
 
 }  // namespace engine_kernels
 

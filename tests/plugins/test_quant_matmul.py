@@ -202,3 +202,41 @@ def test_swiglu_epilogue_equals_the_swiglu_op(tokens):
         fused = gated_op(x, q, True)
         assert fused.shape == (tokens, 48)
         np.testing.assert_array_equal(fused, gated_op(x, q, False))
+
+
+def normed_projection(x: np.ndarray, r: np.ndarray, w: np.ndarray, q: QuantizedWeight, *, reader: bool = False):
+    """add_rms_norm (plugins/rms_norm.py) of a QuantMatMul's output: with the engine's kernels it becomes one
+    QuantMatMulAddRMSNorm node; `reader`: another node reads the projection too, which keeps it a QuantMatMul and
+    an AddRMSNorm. Returns (normed, total) and the graph's node types."""
+    from engine.plugins.rms_norm import add_rms_norm
+    n, _ = q.shape
+    ops = []
+
+    def graph(g, xs, rs):
+        y = g.scope("/proj")("QuantMatMul", [xs, g.weight("proj.weight", quant_matmul.pack(q))], domain=ENGINE_DOMAIN,
+                             N=n, bits=q.bits, group_size=q.group_size, offsets=int(q.offsets is not None))
+        if reader:
+            g.scope("/other")("Relu", [y])
+        out = add_rms_norm(g, y, rs, w, 1e-5, name="/norm", weight_name="norm.weight", plugin=True, kernel=True)
+        ops.extend(nd.op_type for nd in g.nodes)
+        return out
+
+    return run_op(graph, {"x": x, "r": r}), ops
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 70])   # one row inline; rows on the pool; bfloat16 tiles where AMX has them
+def test_add_rms_norm_epilogue_equals_the_two_ops(tokens):
+    """A norm whose x only a QuantMatMul reads is done by that node (QuantMatMulAddRMSNorm), bit for bit what
+    QuantMatMul then AddRMSNorm give (add_rms_norm.h's row in both), for every weight kind."""
+    rng = np.random.default_rng(tokens)
+    x, r = (rng.standard_normal((tokens, 256)).astype(np.float32) for _ in range(2))
+    w = rng.uniform(0.5, 1.5, 40).astype(np.float32)
+    for name in sorted(WEIGHTS):
+        q = WEIGHTS[name](40, 256)   # N = 40: a partial last tile
+        (normed, total), ops = normed_projection(x, r[:, :40], w, q)
+        assert ops == ["QuantMatMulAddRMSNorm"], ops
+        (want_normed, want_total), ops = normed_projection(x, r[:, :40], w, q, reader=True)
+        assert ops == ["QuantMatMul", "Relu", "AddRMSNorm"], ops
+        np.testing.assert_array_equal(total, want_total)
+        np.testing.assert_array_equal(normed, want_normed)
+        np.testing.assert_allclose(total, expected(x, q) + r[:, :40], rtol=1e-5, atol=1e-5)

@@ -20,7 +20,7 @@ from engine.runtime.step_inputs import SeqChunk
 from engine.quantization.weight_only import rtn_scales
 from tests.builder.engines import engine_greedy, prompts
 
-from .engines import GATHER_OP, LOGITS_RELATIVE_RMS, PROJECTION_OP, quant_engine, relative_rms, stored_projection
+from .engines import GATHER_OP, LOGITS_RELATIVE_RMS, PROJECTION_OP, projections, quant_engine, relative_rms, stored_projection
 
 KEYS = ["LlamaForCausalLM", "LlamaForCausalLM:llama3-rope-tied", "Qwen2ForCausalLM", "Gemma2ForCausalLM"]
 MODES = ["int8_wo", "int4_wo"]
@@ -58,7 +58,7 @@ def test_lm_head_quantized_tied_embedding_within_tolerance(tiny, mode):
     assert relative_rms(quant, ref) <= LOGITS_RELATIVE_RMS[mode]
     counts = op_counts(quant_engine(tiny, key, mode, lm_head=True) / "rank0.onnx")
     assert counts.get(GATHER_OP) == 1
-    assert counts.get(PROJECTION_OP) == 2 * 4 + 1     # 4 projections a layer + lm_head
+    assert projections(counts) == 2 * 4 + 1     # 4 projections a layer + lm_head
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -101,7 +101,7 @@ def test_stored_tensors_are_quantized_and_reproducible(tiny, mode, bits, group):
     assert inits["vocab_embedding.weight"].data_type == onnx.TensorProto.FLOAT
     assert inits["lm_head.weight"].data_type == onnx.TensorProto.FLOAT
     counts = op_counts(engine / "rank0.onnx")
-    assert counts[PROJECTION_OP] == 2 * 4
+    assert projections(counts) == 2 * 4
     # the memory plan counts weights at their stored precision
     data = (engine / "rank0.onnx.data").stat().st_size
     assert data <= config.memory.weight_bytes_per_rank[0] <= data * 1.05

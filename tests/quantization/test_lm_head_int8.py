@@ -20,7 +20,7 @@ from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.session import EngineSession
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, slug
 
-from .engines import GATHER_OP, LOGITS_RELATIVE_RMS, NO_REPORT, PROJECTION_OP, quant_engine, relative_rms, \
+from .engines import GATHER_OP, LOGITS_RELATIVE_RMS, NO_REPORT, projections, quant_engine, relative_rms, \
     stored_projection
 from .test_engines import _logits
 
@@ -76,7 +76,7 @@ def test_one_int8_table_is_stored_on_the_q8_0_rule(tiny, key, tied):
     values, scales = stored_projection(inits, stem, w.shape[0], 8, 32)
     np.testing.assert_array_equal(values, expected.packed.reshape(w.shape))
     np.testing.assert_array_equal(scales, expected.scales)
-    assert counts[PROJECTION_OP] == 2 * 4 + 1   # 4 int4 projections a layer + the int8 lm_head
+    assert projections(counts) == 2 * 4 + 1   # 4 int4 projections a layer + the int8 lm_head
     if tied:   # the embedding gathers from the same table; no float copy of it is left
         assert counts.get(GATHER_OP) == 1 and "lm_head.weight" not in inits
     else:

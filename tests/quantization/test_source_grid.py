@@ -25,7 +25,7 @@ from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, prompts
 from tests.tiny_models import make_tiny_model
 
 from .calibrated_engines import TINY_CALIBRATION
-from .engines import NO_REPORT, PROJECTION_OP, REPACKED, relative_rms
+from .engines import NO_REPORT, REPACKED, projections, relative_rms
 from .test_calibrated import _plan_matches_stored_bytes
 from .test_engines import _logits
 
@@ -128,7 +128,7 @@ def test_int4_awq_on_the_grid_calibrates_lm_head_only(grid_checkpoint, tmp_path)
     assert not any(n.startswith("layers.") and n.endswith("prequant_scaling_factor") for n in inits)
     # the layers' blocks, kept: their offsets beside them, or in QuantMatMul's blocks
     assert ("layers.0.attention.qkv.weights_offset" in inits) == (not REPACKED)
-    assert op_counts(engine / "rank0.onnx")[PROJECTION_OP] == 2 * 4 + 1
+    assert projections(op_counts(engine / "rank0.onnx")) == 2 * 4 + 1
     _plan_matches_stored_bytes(engine)
 
 
