@@ -69,6 +69,13 @@ class Graph:
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=name, domain=domain or None, **attrs))
         return outs[0] if outputs == 1 else outs
 
+    def rename(self, node: onnx.NodeProto, name: str) -> None:
+        """Gives `node` (one of this graph's, folded into another op by a plugin) a new unique name."""
+        if name in self._names:
+            raise AssertionError(f"duplicate node name {name}")
+        self._names.add(name)
+        node.name = name
+
     def producer(self, value: str) -> onnx.NodeProto | None:
         """The node whose output `value` is (None for a graph input or an initializer)."""
         return next((n for n in reversed(self.nodes) if value in n.output), None)

@@ -64,7 +64,7 @@ from engine.core.parallel import kv_heads_per_rank
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
-from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp
+from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp, quant_mlp
 from engine.plugins.linear import linear, quantized_gather, quantized_linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
@@ -135,7 +135,8 @@ class _Builder:
         """Gated MLP; with quantized weights composed from quantized projections:
 
             gemm_swiglu_plugin:  x ─proj gate_up─▶ Split ─▶ act(gate) * up ─▶ proj down
-                                 (SiLU with the engine's kernels: one SwiGLU node from Split to Mul)
+                                 (SiLU with the engine's kernels: one SwiGLU node from Split to Mul, or with
+                                 QuantMatMul projections one QuantMLP node for all of it)
             else:                x ─proj gate─▶ act ─┐ x ─proj up─▶ Mul ─▶ proj down
         """
         m, p, g = self.m, self.p, self.g
@@ -149,7 +150,7 @@ class _Builder:
         if p.gemm_swiglu_plugin:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             hidden = gate_times_up(g, op, fused, m.intermediate_size // self.tp, m.activation, kernel=kernel)
-            return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
+            return quant_mlp(g, self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj"), name=f"{name}/QuantMLP")
         if calibrated:
             fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
             half = fused.shape[0] // 2

@@ -8,7 +8,8 @@ The fused lowering reads x once for both projections. SiLU is Sigmoid*Mul, which
 kernel; GELU is the opset-20 Gelu(approximate="tanh"), which ORT runs as one kernel. With `kernel` (the engine's
 ops, --engine-kernels-plugin) a SiLU gate is one SwiGLU node over the fused projection instead of Split, QuickGelu
 and Mul (plugins/kernels/swiglu.cc), or none where the projection is the engine's QuantMatMul, whose swiglu=1
-epilogue computes it (builder/model_graph.py composes quantized MLPs from gate_times_up too).
+epilogue computes it (builder/model_graph.py composes quantized MLPs from gate_times_up too); that QuantMatMul
+and the down projection's then become one QuantMLP node (quant_mlp: one ORT dispatch fewer a layer, NOTES 42).
 
 Initializers (weight_name is the MLP's prefix, e.g. "layers.0.mlp"): plugin: "{weight_name}.gate_up.weight"
 [H, 2I]; reference: "{weight_name}.gate.weight", "{weight_name}.up.weight"; both "{weight_name}.down.weight".
@@ -73,3 +74,32 @@ def activate(g: Graph, op: Scope, x: str, activation: str, plugin: bool) -> str:
     inner = op("Mul", [op("Add", [x, op("Mul", [cube, g.const(0.044715, f32)])]),
                        g.const(math.sqrt(2 / math.pi), f32)])
     return op("Mul", [op("Mul", [x, g.const(0.5, f32)]), op("Add", [op("Tanh", [inner]), g.const(1.0, f32)])])
+
+
+def quant_mlp(g: Graph, y: str, *, name: str) -> str:
+    """y, the output of a quantized MLP's down projection, from one QuantMLP node named `name` where the down
+    projection and gate|up (with its swiglu=1 epilogue) are both the engine's QuantMatMul and nothing else reads the
+    [T, I] between them (the same arithmetic: plugins/kernels/quant_matmul.cc); the nodes as they were elsewhere."""
+    down = g.producer(y)
+    gate_up = g.producer(down.input[0]) if _quant_matmul(down) and not _attr(down, "swiglu") else None
+    if gate_up is None or not _quant_matmul(gate_up) or not _attr(gate_up, "swiglu"):
+        return y
+    hidden = down.input[0]
+    if sum(hidden in n.input for n in g.nodes) != 1 or any(o.name == hidden for o in g.outputs):
+        return y
+    gate_up.op_type = "QuantMLP"
+    gate_up.input.append(down.input[1])
+    gate_up.attribute.extend(helper.make_attribute(f"down_{a.name}", helper.get_attribute_value(a))
+                             for a in down.attribute)
+    gate_up.output[:] = list(down.output)
+    g.rename(gate_up, name)
+    g.nodes.remove(down)
+    return y
+
+
+def _quant_matmul(node) -> bool:
+    return node is not None and node.op_type == "QuantMatMul" and node.domain == ENGINE_DOMAIN
+
+
+def _attr(node, name: str) -> int:
+    return next((a.i for a in node.attribute if a.name == name), 0)

@@ -58,17 +58,22 @@ def add_rms_norm(g: Graph, x: str, residual: str, weight: np.ndarray, eps: float
     return _norm(g, op, total, w, eps, plugin), total
 
 
+# the engine's projection ops that add the residual and norm after them themselves (plugins/kernels/quant_matmul.cc)
+_NORMED = {"QuantMatMul": "QuantMatMulAddRMSNorm", "QuantMLP": "QuantMLPAddRMSNorm"}
+
+
 def _into_projection(g: Graph, x: str, residual: str, w: str, eps: float) -> tuple[str, str] | None:
-    """(normed, total) of the engine QuantMatMul that produced x, turned into QuantMatMulAddRMSNorm, when nothing
-    else reads x (a later reader of the name would fail the build: the name is gone); else None."""
+    """(normed, total) of the engine QuantMatMul (or QuantMLP) that produced x, turned into its *AddRMSNorm op,
+    when nothing else reads x (a later reader of the name would fail the build: the name is gone); else None."""
     producer = g.producer(x)
-    if producer is None or producer.op_type != "QuantMatMul" or producer.domain != ENGINE_DOMAIN:
+    if producer is None or producer.op_type not in _NORMED or producer.domain != ENGINE_DOMAIN:
         return None
-    if any(a.name == "swiglu" and a.i for a in producer.attribute):
+    last_swiglu = "down_swiglu" if producer.op_type == "QuantMLP" else "swiglu"
+    if any(a.name == last_swiglu and a.i for a in producer.attribute):
         return None
     if any(x in n.input for n in g.nodes) or any(o.name == x for o in g.outputs):
         return None
-    producer.op_type = "QuantMatMulAddRMSNorm"
+    producer.op_type = _NORMED[producer.op_type]
     producer.input.extend([residual, w])
     normed, total = f"{producer.name}/normed", f"{producer.name}/total"
     producer.output[:] = [normed, total]

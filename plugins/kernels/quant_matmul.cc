@@ -25,6 +25,11 @@
 // total y + residual (y the projection, written into out 1 and added to in place); attribute epsilon besides
 // QuantMatMul's. One node fewer a norm: ~3 us a node of ORT dispatch at a SmolLM2 decode step (bench/NOTES.md 42).
 //
+// QuantMLP: a gated MLP's two projections in one node, gate|up (swiglu=1) then down, the [T, N / 2] between them
+// in a buffer of the calling thread's: inputs x, the gate|up weights, the down weights; attributes QuantMatMul's
+// for gate|up and down_N, down_bits, down_group_size, down_offsets for down. QuantMLPAddRMSNorm adds the residual
+// and norm after it as QuantMatMulAddRMSNorm does (inputs 3, 4). Each is the unfused nodes' arithmetic exactly.
+//
 // QuantGather (below) reads rows of the same blocks: a tied embedding and a quantized lm_head share one table.
 //
 // The tiles' vector code (AVX-512 VNNI, AVX2) is in quant_tiles.h; rows 16 at a time on AMX's int8 tiles in
@@ -32,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "add_rms_norm.h"
@@ -46,12 +52,21 @@ using namespace quant;  // NOLINT: the tiles' job, layout constants and helpers
 
 constexpr const char* kName = "QuantMatMul";
 
-struct QuantKernel {
-  Api api;
+// One projection's weights: N columns of `bits` in blocks of `group`, with offsets or not, SwiGLU after it or not.
+struct Projection {
   int64_t n, bits, group;
   bool offsets, swiglu;
-  bool add_norm = false;  // QuantMatMulAddRMSNorm
+  int64_t out_n() const { return swiglu ? n / 2 : n; }
+};
+
+struct QuantKernel {
+  Api api;
+  Projection first;
+  bool mlp = false;  // QuantMLP*: `down` projects first's output (gate|up with swiglu) on
+  Projection down{};
+  bool add_norm = false;  // *AddRMSNorm
   float epsilon = 0;
+  int64_t out_n() const { return mlp ? down.out_n() : first.out_n(); }
 };
 
 // Row t of x -> its int8 values, scales and sums, one block at a time.
@@ -119,77 +134,91 @@ void matmul_item(void* opaque, size_t i) {
   }
 }
 
-// out [T, N] (or [T, N / 2] with swiglu) = x @ W^T, as the header describes.
-void project(const QuantKernel& kernel, OrtKernelContext* context, const Tensor& x, const Tensor& w, float* out) {
-  const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (kernel.n + kLanes - 1) / kLanes;
-  const int64_t block_bytes = kHeader + kernel.group / kSub * sub_bytes(kernel.bits);
+// The weights of projection p, checked against its input width k.
+void check_weights(const Projection& p, int64_t k, const Tensor& w) {
+  require(k % p.group == 0, kName, "K must be a multiple of group_size");
+  const int64_t tiles = (p.n + kLanes - 1) / kLanes, block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
+  require(w.shape == std::vector<int64_t>{tiles, k / p.group, block_bytes}, kName,
+          "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
+}
+
+// out [T, p.out_n()] = x @ W^T (then silu(gate) * up with swiglu), as the header describes.
+void project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
+             float* out) {
+  const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (p.n + kLanes - 1) / kLanes;
+  const int64_t block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
   if (tokens == 0) return;
   // With the SwiGLU epilogue the bfloat16 tiles write silu(gate) * up themselves; the other code writes the
   // projection [T, N] here first.
-  const bool bf16 = bf16_rows(tokens), staged = kernel.swiglu && !bf16;
+  const bool bf16 = bf16_rows(tokens), staged = p.swiglu && !bf16;
   thread_local std::vector<float> projection;
-  if (staged) projection.resize(static_cast<size_t>(tokens * kernel.n));
+  if (staged) projection.resize(static_cast<size_t>(tokens * p.n));
   thread_local Activations a;
   // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
   const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
-               staged ? projection.data() : out, &a, tokens, k, kernel.n, kernel.bits, kernel.group,
-               k / kernel.group, block_bytes, tiles, tile_chunk, (tiles + tile_chunk - 1) / tile_chunk,
-               kernel.offsets, kernel.swiglu};
+               staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
+               k / p.group, block_bytes, tiles, tile_chunk, (tiles + tile_chunk - 1) / tile_chunk,
+               p.offsets, p.swiglu};
   if (bf16) {
     size_bf16_rows(job);
-    parallel_for(kernel.api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);
-    parallel_for(kernel.api, context, bf16_item_count(job), bf16_items, &job);
+    parallel_for(api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);
+    parallel_for(api, context, bf16_item_count(job), bf16_items, &job);
     return;
   }
   a.q.resize(static_cast<size_t>(tokens * k));
-  a.d.resize(static_cast<size_t>(tokens * k / kernel.group));
+  a.d.resize(static_cast<size_t>(tokens * k / p.group));
   a.sum.resize(a.d.size());
   a.dasum.resize(a.d.size());
   if (tokens == 1) quantize_row(&job, 0);
-  else parallel_for(kernel.api, context, static_cast<size_t>(tokens), quantize_row, &job);
+  else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
   if (amx_rows(tokens)) {
     size_packed_rows(job);
-    parallel_for(kernel.api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
+    parallel_for(api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
   }
   const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
-  parallel_for(kernel.api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
+  parallel_for(api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
   if (!staged) return;
-  SwigluRows rows{projection.data(), out, kernel.n / 2};
+  SwigluRows rows{projection.data(), out, p.n / 2};
   if (tokens == 1) swiglu_row(&rows, 0);
-  else parallel_for(kernel.api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
+  else parallel_for(api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
 }
 
-// QuantMatMulAddRMSNorm's epilogue: out 1 (holding the projection) += residual, out 0 = its norm.
+// The *AddRMSNorm epilogue: total (holding the projection) += residual, normed = its norm.
 void add_norm(const QuantKernel& kernel, OrtKernelContext* context, const Tensor& residual, const Tensor& weight,
               int64_t tokens, float* normed, float* total) {
   NormJob job{total, static_cast<const float*>(residual.data), static_cast<const float*>(weight.data), normed, total,
-              kernel.n, kernel.epsilon};
+              kernel.out_n(), kernel.epsilon};
   if (tokens == 1) norm_row(&job, 0);  // a decode row: not worth waking the other threads
   else parallel_for(kernel.api, context, static_cast<size_t>(tokens), norm_row, &job);
 }
 
+// Inputs x, weights[, down weights][, residual, norm weight]; outputs y, or normed and total.
 void compute(void* opaque, OrtKernelContext* context) {
   const auto& kernel = *static_cast<QuantKernel*>(opaque);
-  const std::vector<Tensor> in = inputs(kernel.api, context, kernel.add_norm ? 4 : 2);
+  const std::vector<Tensor> in = inputs(kernel.api, context, 2 + kernel.mlp + 2 * kernel.add_norm);
   const auto &x = in[0], &w = in[1];
   require(x.shape.size() == 2, kName, "x must be [T, K]");
-  const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (kernel.n + kLanes - 1) / kLanes;
-  require(k % kernel.group == 0, kName, "K must be a multiple of group_size");
-  const int64_t block_bytes = kHeader + kernel.group / kSub * sub_bytes(kernel.bits);
-  require(w.shape == std::vector<int64_t>{tiles, k / kernel.group, block_bytes}, kName,
-          "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
-  if (!kernel.add_norm) {
-    const int64_t n = kernel.swiglu ? kernel.n / 2 : kernel.n;
-    project(kernel, context, x, w, output<float>(kernel.api, context, 0, {tokens, n}));
-    return;
+  const int64_t tokens = x.shape[0], n = kernel.out_n();
+  check_weights(kernel.first, x.shape[1], w);
+  if (kernel.mlp) check_weights(kernel.down, kernel.first.out_n(), in[2]);
+  float* normed = nullptr;
+  if (kernel.add_norm) {
+    const auto &residual = in[2 + kernel.mlp], &weight = in[3 + kernel.mlp];
+    require(residual.shape == std::vector<int64_t>{tokens, n}, kName, "residual must be [T, N]");
+    require(weight.shape == std::vector<int64_t>{n}, kName, "the norm weight must be [N]");
+    normed = output<float>(kernel.api, context, 0, {tokens, n});
   }
-  require(in[2].shape == std::vector<int64_t>{tokens, kernel.n}, kName, "residual must be [T, N]");
-  require(in[3].shape == std::vector<int64_t>{kernel.n}, kName, "the norm weight must be [N]");
-  float* normed = output<float>(kernel.api, context, 0, {tokens, kernel.n});
-  float* total = output<float>(kernel.api, context, 1, {tokens, kernel.n});
-  project(kernel, context, x, w, total);
-  add_norm(kernel, context, in[2], in[3], tokens, normed, total);
+  float* y = output<float>(kernel.api, context, kernel.add_norm ? 1 : 0, {tokens, n});
+  if (kernel.mlp) {  // gate|up with SwiGLU into a buffer of this thread's, then down from it
+    thread_local std::vector<float> hidden;
+    hidden.resize(static_cast<size_t>(tokens * kernel.first.out_n()));
+    project(kernel.api, context, kernel.first, x, w, hidden.data());
+    project(kernel.api, context, kernel.down, Tensor{hidden.data(), {tokens, kernel.first.out_n()}}, in[2], y);
+  } else {
+    project(kernel.api, context, kernel.first, x, w, y);
+  }
+  if (kernel.add_norm) add_norm(kernel, context, in[2 + kernel.mlp], in[3 + kernel.mlp], tokens, normed, y);
 }
 
 // QuantGather: rows `ids` of the weight QuantMatMul's blocks hold, dequantized (a tied embedding reading the
@@ -227,7 +256,8 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   const auto& kernel = *static_cast<QuantKernel*>(opaque);
   const std::vector<Tensor> in = inputs(kernel.api, context, 2);
   const auto &w = in[0], &ids = in[1];
-  const int64_t block_bytes = kHeader + kernel.group / kSub * sub_bytes(kernel.bits);
+  const Projection& p = kernel.first;
+  const int64_t block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
   require(w.shape.size() == 3 && w.shape[2] == block_bytes, kName,
           "QuantGather's table must be [V / 16, H / group_size, 64 + group_size * 16 * bits / 8]");
   require(ids.shape.size() == 1, kName, "QuantGather's ids must be [T]");
@@ -235,52 +265,70 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   const auto* id = static_cast<const int64_t*>(ids.data);
   for (int64_t t = 0; t < tokens; ++t)
     require(id[t] >= 0 && id[t] < rows, kName, "QuantGather: an id is outside the table");
-  GatherJob job{static_cast<const uint8_t*>(w.data), id, nullptr, w.shape[1] * kernel.group, kernel.bits,
-                kernel.group, w.shape[1], block_bytes, kernel.offsets};
+  GatherJob job{static_cast<const uint8_t*>(w.data), id, nullptr, w.shape[1] * p.group, p.bits, p.group, w.shape[1],
+                block_bytes, p.offsets};
   job.out = output<float>(kernel.api, context, 0, {tokens, job.hidden});
   parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
 }
 
-void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather, bool add_norm = false) {
+// The attributes of one projection, named with `prefix` ("down_" for QuantMLP's second); a table QuantGather reads
+// has no N or swiglu (`sized` false).
+Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::string& prefix, bool sized) {
   using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  Api api(table, info);
-  int64_t n = 0, bits = 0, group = 0, offsets = 0;
-  if (gather) n = 1;  // QuantGather reads its sizes from the table
-  else api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "N", &n);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "bits", &bits);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "group_size", &group);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "offsets", &offsets);
+  int64_t n = 1, bits = 0, group = 0, offsets = 0;
+  if (sized) api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "N").c_str(), &n);
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "bits").c_str(), &bits);
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "group_size").c_str(), &group);
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "offsets").c_str(), &offsets);
   require(n > 0, kName, "N must be positive");
   require(bits == 4 || bits == 8, kName, "bits must be 4 or 8");
   require(group > 0 && group % kSub == 0, kName, "group_size must be a positive multiple of 32");
-  const bool swiglu = !gather && api.optional_int(info, "swiglu", 0) != 0;
+  const bool swiglu = sized && api.optional_int(info, (prefix + "swiglu").c_str(), 0) != 0;
   require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
-  require(!(swiglu && add_norm), kName, "swiglu=1 has no QuantMatMulAddRMSNorm");
-  float epsilon = 0;
-  if (add_norm) {
-    using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
-    api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "epsilon", &epsilon);
-    require(epsilon >= 0, kName, "epsilon must not be negative");
-  }
-  return new QuantKernel{api, n, bits, group, offsets != 0, swiglu, add_norm, epsilon};
+  return {n, bits, group, offsets != 0, swiglu};
 }
 
-KernelOp kOp = kernel_op(
-    kName, {kFloat, kUint8}, kFloat, 1,
-    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, false); },
-    compute, destroy_kernel<QuantKernel>);
-KernelOp kNormOp = kernel_op(
-    "QuantMatMulAddRMSNorm", {kFloat, kUint8, kFloat, kFloat}, kFloat, 2,
-    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, false, true); },
-    compute, destroy_kernel<QuantKernel>);
-KernelOp kGatherOp = kernel_op(
-    "QuantGather", {kUint8, kInt64}, kFloat, 1,
-    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, true); },
-    gather_compute, destroy_kernel<QuantKernel>);
+void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather, bool mlp, bool add_norm) {
+  Api api(table, info);
+  QuantKernel kernel{api, projection_of(api, info, "", !gather)};
+  kernel.mlp = mlp;
+  if (mlp) {
+    require(kernel.first.swiglu, kName, "QuantMLP's first projection must have swiglu=1");
+    kernel.down = projection_of(api, info, "down_", true);
+  }
+  kernel.add_norm = add_norm;
+  if (add_norm) {
+    using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
+    require(!(mlp ? kernel.down.swiglu : kernel.first.swiglu), kName, "an *AddRMSNorm op's output has no SwiGLU");
+    api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "epsilon", &kernel.epsilon);
+    require(kernel.epsilon >= 0, kName, "epsilon must not be negative");
+  }
+  return new QuantKernel(kernel);
+}
+
+template <bool Mlp, bool AddNorm>
+void* create_matmul(CustomOp*, const void* table, const OrtKernelInfo* info) {
+  return create_kernel(table, info, false, Mlp, AddNorm);
+}
+
+KernelOp kOp = kernel_op(kName, {kFloat, kUint8}, kFloat, 1, create_matmul<false, false>, compute,
+                         destroy_kernel<QuantKernel>);
+KernelOp kNormOp = kernel_op("QuantMatMulAddRMSNorm", {kFloat, kUint8, kFloat, kFloat}, kFloat, 2,
+                             create_matmul<false, true>, compute, destroy_kernel<QuantKernel>);
+KernelOp kMlpOp = kernel_op("QuantMLP", {kFloat, kUint8, kUint8}, kFloat, 1, create_matmul<true, false>, compute,
+                            destroy_kernel<QuantKernel>);
+KernelOp kMlpNormOp = kernel_op("QuantMLPAddRMSNorm", {kFloat, kUint8, kUint8, kFloat, kFloat}, kFloat, 2,
+                                create_matmul<true, true>, compute, destroy_kernel<QuantKernel>);
+void* create_gather(CustomOp*, const void* table, const OrtKernelInfo* info) {
+  return create_kernel(table, info, true, false, false);
+}
+
+KernelOp kGatherOp = kernel_op("QuantGather", {kUint8, kInt64}, kFloat, 1, create_gather, gather_compute,
+                               destroy_kernel<QuantKernel>);
 
 }  // namespace
 
-std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kNormOp, &kGatherOp}; }
+std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kNormOp, &kMlpOp, &kMlpNormOp, &kGatherOp}; }
 
 }  // namespace engine_kernels
 

@@ -240,3 +240,57 @@ def test_add_rms_norm_epilogue_equals_the_two_ops(tokens):
         np.testing.assert_array_equal(total, want_total)
         np.testing.assert_array_equal(normed, want_normed)
         np.testing.assert_allclose(total, expected(x, q) + r[:, :40], rtol=1e-5, atol=1e-5)
+
+
+def mlp_graph(x: np.ndarray, r: np.ndarray, w: np.ndarray, gate_up: QuantizedWeight, down: QuantizedWeight, *,
+              fold: bool, norm: bool):
+    """down(silu(gate) * up) of x as QuantMatMul (swiglu=1) then QuantMatMul, with the residual add and norm after
+    it (add_rms_norm) when `norm`; `fold`: through gated_mlp.quant_mlp. Returns the output(s) and the node types."""
+    from engine.plugins.gated_mlp import quant_mlp
+    from engine.plugins.rms_norm import add_rms_norm
+    ops = []
+
+    def projection(g, xs, q, stem, **extra):
+        return g.scope(f"/{stem}")("QuantMatMul", [xs, g.weight(f"{stem}.weight", quant_matmul.pack(q))],
+                                   domain=ENGINE_DOMAIN, N=q.shape[0], bits=q.bits, group_size=q.group_size,
+                                   offsets=int(q.offsets is not None), **extra)
+
+    def graph(g, xs, rs):
+        y = projection(g, projection(g, xs, gate_up, "gate_up", swiglu=1), down, "down")
+        if fold:
+            y = quant_mlp(g, y, name="/mlp/QuantMLP")
+        out = add_rms_norm(g, y, rs, w, 1e-5, name="/norm", weight_name="norm.weight", plugin=True,
+                           kernel=fold) if norm else y
+        ops.extend(nd.op_type for nd in g.nodes)
+        return out
+
+    return run_op(graph, {"x": x, "r": r}), ops
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 70])
+def test_quant_mlp_equals_its_two_projections(tokens):
+    """A quantized gated MLP folded into one QuantMLP node (plugins/gated_mlp.quant_mlp), with the norm after it
+    (QuantMLPAddRMSNorm) or not, gives bit for bit what its two QuantMatMul nodes (then AddRMSNorm) give, for
+    weights of each kind in either projection."""
+    rng = np.random.default_rng(tokens)
+    x, r = rng.standard_normal((tokens, 64)).astype(np.float32), rng.standard_normal((tokens, 40)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, 40).astype(np.float32)
+    for first, second in [("q4_1", "int8_g32"), ("int4_g32", "q4_1"), ("int8_g64", "int4_g128")]:
+        gate_up, down = WEIGHTS[first](256, 64), WEIGHTS[second](40, 128)   # I = 128; N = 40: a partial tile
+        want, ops = mlp_graph(x, r, w, gate_up, down, fold=False, norm=False)
+        assert ops == ["QuantMatMul", "QuantMatMul"]
+        got, ops = mlp_graph(x, r, w, gate_up, down, fold=True, norm=False)
+        assert ops == ["QuantMLP"]
+        np.testing.assert_array_equal(got, want)
+        (normed, total), ops = mlp_graph(x, r, w, gate_up, down, fold=True, norm=True)
+        assert ops == ["QuantMLPAddRMSNorm"]
+        (want_normed, want_total), _ = normed_projection_of(want, r, w)
+        np.testing.assert_array_equal(total, want_total)
+        np.testing.assert_array_equal(normed, want_normed)
+
+
+def normed_projection_of(y: np.ndarray, r: np.ndarray, w: np.ndarray):
+    """AddRMSNorm of y and r: (normed, total)."""
+    from engine.plugins.rms_norm import add_rms_norm
+    return run_op(lambda g, ys, rs: add_rms_norm(g, ys, rs, w, 1e-5, name="/norm", weight_name="norm.weight",
+                                                 plugin=True, kernel=True), {"y": y, "r": r}), None

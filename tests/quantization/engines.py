@@ -26,13 +26,15 @@ LOGITS_RELATIVE_RMS = {"int8_wo": 0.03, "int4_wo": 0.25}
 REPACKED = quant_matmul.supported(32, 4)
 PROJECTION_OP = "engine.QuantMatMul" if REPACKED else "com.microsoft.MatMulNBits"
 GATHER_OP = "engine.QuantGather" if REPACKED else "com.microsoft.GatherBlockQuantized"
-# a QuantMatMul whose output only the residual add and norm after it read does both itself (plugins/rms_norm.py)
-NORMED_PROJECTION_OP = "engine.QuantMatMulAddRMSNorm"
+# QuantMatMul's fused forms, with the projections each holds: the residual add and norm after it folded in
+# (plugins/rms_norm.py), a gated MLP's two projections in one node (plugins/gated_mlp.quant_mlp)
+FUSED_PROJECTION_OPS = {"engine.QuantMatMulAddRMSNorm": 1, "engine.QuantMLP": 2, "engine.QuantMLPAddRMSNorm": 2}
 
 
 def projections(counts: dict[str, int], op: str = PROJECTION_OP) -> int:
-    """The nodes of `op` in an engine's op counts, QuantMatMul's with the norm after it folded in included."""
-    return counts.get(op, 0) + (counts.get(NORMED_PROJECTION_OP, 0) if op == "engine.QuantMatMul" else 0)
+    """The projections `op` computes in an engine of these op counts, those of QuantMatMul's fused forms included."""
+    fused = FUSED_PROJECTION_OPS if op == "engine.QuantMatMul" else {}
+    return counts.get(op, 0) + sum(n * counts.get(f, 0) for f, n in fused.items())
 
 
 def stored_projection(inits: dict, stem: str, n: int, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
