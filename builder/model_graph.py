@@ -14,7 +14,10 @@ One decoder layer i (names follow onnxruntime-genai: /model/layers.{i}/attn/qkv_
                gated_mlp(gate_up, down) ─▶ [AllReduce tp>1] ─▶ [mlp_post_norm] ─▶ pending (added by the next norm)
 
 With the engine's kernels (--engine-kernels-plugin) and no q/k norm, everything from the Split to paged_attention
-is one RotaryPagedAttention node (plugins/attention.rotary_paged_attention), whatever the KV dtype.
+is one RotaryPagedAttention node (plugins/attention.rotary_paged_attention), whatever the KV dtype. With quantized
+projections run as the engine's QuantMatMul, a layer is three nodes: qkv_proj inside the attention node
+(QuantRotaryPagedAttention*), o_proj with the add and norm after it (QuantMatMulAddRMSNorm), the MLP with the next
+layer's add and norm (QuantMLPAddRMSNorm): plugins/attention.py, plugins/rms_norm.py, plugins/gated_mlp.py.
 
 Before layer 0 `hidden` is the embedding (times embedding_multiplier) and nothing is pending; after the last
 layer the rows named by logits_indices are gathered first, so the final add_rms_norm and the lm_head run only

@@ -25,6 +25,7 @@ from onnx import helper
 from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.config import ACTIVATIONS
 from engine.core.errors import EngineError
+from engine.plugins import quant_matmul
 
 
 def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activation: str, *, name: str,
@@ -80,12 +81,9 @@ def quant_mlp(g: Graph, y: str, *, name: str) -> str:
     """y, the output of a quantized MLP's down projection, from one QuantMLP node named `name` where the down
     projection and gate|up (with its swiglu=1 epilogue) are both the engine's QuantMatMul and nothing else reads the
     [T, I] between them (the same arithmetic: plugins/kernels/quant_matmul.cc); the nodes as they were elsewhere."""
-    down = g.producer(y)
-    gate_up = g.producer(down.input[0]) if _quant_matmul(down) and not _attr(down, "swiglu") else None
-    if gate_up is None or not _quant_matmul(gate_up) or not _attr(gate_up, "swiglu"):
-        return y
-    hidden = down.input[0]
-    if sum(hidden in n.input for n in g.nodes) != 1 or any(o.name == hidden for o in g.outputs):
+    down = quant_matmul.foldable(g, y, 0)
+    gate_up = quant_matmul.foldable(g, down.input[0], 1, swiglu=True) if down is not None else None
+    if gate_up is None:
         return y
     gate_up.op_type = "QuantMLP"
     gate_up.input.append(down.input[1])
@@ -96,10 +94,3 @@ def quant_mlp(g: Graph, y: str, *, name: str) -> str:
     g.nodes.remove(down)
     return y
 
-
-def _quant_matmul(node) -> bool:
-    return node is not None and node.op_type == "QuantMatMul" and node.domain == ENGINE_DOMAIN
-
-
-def _attr(node, name: str) -> int:
-    return next((a.i for a in node.attribute if a.name == name), 0)

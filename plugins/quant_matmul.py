@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.builder.graph import ENGINE_DOMAIN, Graph
 from engine.plugins import native
 from engine.quantization.weight_only import QuantizedWeight, dequantize, unpack
 
@@ -38,6 +39,22 @@ def runs(group_size: int, accuracy_level: int, *, plugin: bool, kernel: bool) ->
     """Whether a build with these switches (--weight-only-quant-matmul-plugin, --engine-kernels-plugin) lowers
     weight-only projections to QuantMatMul (plugins/linear.py; the memory plan asks the same)."""
     return plugin and kernel and supported(group_size, accuracy_level)
+
+
+def foldable(g: Graph, value: str, readers: int, *, ops: tuple[str, ...] = ("QuantMatMul",), swiglu: bool = False):
+    """The node of the engine's `ops` that made `value`, its last projection with (`swiglu`) or without SwiGLU,
+    when `readers` nodes read `value` and no graph output is it: a projection another node may take in, removing
+    one ORT dispatch (~3 us at a decode step: bench/NOTES.md 42; plugins/rms_norm.py, gated_mlp.py, attention.py);
+    else None. The arithmetic of every fused form is the unfused nodes' (plugins/kernels/quant_matmul.cc)."""
+    node = g.producer(value)
+    if node is None or node.domain != ENGINE_DOMAIN or node.op_type not in ops:
+        return None
+    key = "down_swiglu" if node.op_type == "QuantMLP" else "swiglu"
+    if any(a.name == key and a.i for a in node.attribute) != swiglu:
+        return None
+    if sum(value in n.input for n in g.nodes) != readers or any(o.name == value for o in g.outputs):
+        return None
+    return node
 
 
 def has_bf16_tiles() -> bool:

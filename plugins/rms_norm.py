@@ -23,6 +23,7 @@ from onnx import helper
 
 from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
+from engine.plugins import quant_matmul
 
 
 def rms_norm(g: Graph, x: str, weight: np.ndarray, eps: float, *, name: str, weight_name: str,
@@ -65,13 +66,8 @@ _NORMED = {"QuantMatMul": "QuantMatMulAddRMSNorm", "QuantMLP": "QuantMLPAddRMSNo
 def _into_projection(g: Graph, x: str, residual: str, w: str, eps: float) -> tuple[str, str] | None:
     """(normed, total) of the engine QuantMatMul (or QuantMLP) that produced x, turned into its *AddRMSNorm op,
     when nothing else reads x (a later reader of the name would fail the build: the name is gone); else None."""
-    producer = g.producer(x)
-    if producer is None or producer.op_type not in _NORMED or producer.domain != ENGINE_DOMAIN:
-        return None
-    last_swiglu = "down_swiglu" if producer.op_type == "QuantMLP" else "swiglu"
-    if any(a.name == last_swiglu and a.i for a in producer.attribute):
-        return None
-    if any(x in n.input for n in g.nodes) or any(o.name == x for o in g.outputs):
+    producer = quant_matmul.foldable(g, x, 0, ops=tuple(_NORMED))
+    if producer is None:
         return None
     producer.op_type = _NORMED[producer.op_type]
     producer.input.extend([residual, w])

@@ -15,6 +15,8 @@
 //   5 mask       bool  [B, 1, Qmax, Lmax]     query j of row b may see key l
 //   6 out_index  int64 [T]                    the row b * Qmax + j of packed token t
 //   out          float [T, heads*hd]          softmax(scale * q.k, softcapped) . v, GQA: head h reads h / group
+// QuantRotaryPagedAttention{,Fp16,Int8,Fp8} (below): RotaryPagedAttention* whose q|k|v is QuantMatMul's projection
+// of input 0 by the weights of its last input (quant_project.h), done inside the op: one node fewer a layer.
 // Attributes: num_heads, num_kv_heads (int), scale, softcap (float, 0 = none). Only the T selected rows are
 // computed (padded rows of the plain lowering are never selected); a row that sees no key gets zeros (a real token
 // always sees itself). The math is attention_decode.h (tokens one at a time) and attention_tiles.h (rows of several
@@ -24,6 +26,7 @@
 #include "attention_decode.h"
 #include "attention_tiles.h"
 #include "ort_abi.h"
+#include "quant_project.h"
 
 namespace engine_kernels {
 namespace {
@@ -36,6 +39,8 @@ struct Kernel {
   float scale, softcap;
   int pool_type;
   bool rotary;
+  bool quant = false;  // QuantRotaryPagedAttention*: input 0 is x, projected to q|k|v by the last input's weights
+  Projection qkv{};
 };
 
 template <typename P>
@@ -251,7 +256,15 @@ template <typename P>
 void compute_rotary(const Kernel& k, OrtKernelContext* context) {
   constexpr const char* name = "RotaryPagedAttention";
   const bool quantized = std::is_same_v<P, int8_t> || std::is_same_v<P, uint8_t>;  // scaled pools
-  const std::vector<Tensor> in = inputs(k.api, context, quantized ? 13 : 11);
+  std::vector<Tensor> in = inputs(k.api, context, (quantized ? 13 : 11) + k.quant);
+  if (k.quant) {  // x [T, H] -> q|k|v [T, N] in a buffer of this thread's, then as RotaryPagedAttention*
+    require(in[0].shape.size() == 2, name, "x must be [T, hidden]");
+    check_weights(k.qkv, in[0].shape[1], in.back(), name);
+    thread_local std::vector<float> projected;
+    projected.resize(static_cast<size_t>(in[0].shape[0] * k.qkv.n));
+    project(k.api, context, k.qkv, in[0], in.back(), projected.data());
+    in[0] = Tensor{projected.data(), {in[0].shape[0], k.qkv.n}};
+  }
   const auto &qkv = in[0], &positions = in[1], &cos = in[2], &sin = in[3], &kc = in[4], &vc = in[5],
              &slot_mapping = in[6];
   const int64_t width = k.heads + 2 * k.kv_heads;
@@ -298,6 +311,7 @@ struct PagedAttentionOp : CustomOp {
   const char* name;
   int pool_type;
   bool rotary;  // RotaryPagedAttention*
+  bool quant;   // QuantRotaryPagedAttention*
 };
 
 void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) {
@@ -306,6 +320,8 @@ void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) 
   Api api(table, info);
   const auto* described = static_cast<PagedAttentionOp*>(op);
   Kernel kernel{api, 0, 0, 0.0f, 0.0f, described->pool_type, described->rotary};
+  kernel.quant = described->quant;
+  if (kernel.quant) kernel.qkv = projection_of(api, info, "", true);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_heads", &kernel.heads);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_kv_heads", &kernel.kv_heads);
   api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "scale", &kernel.scale);
@@ -329,7 +345,7 @@ void kernel_compute(void* opaque, OrtKernelContext* context) {
 }
 
 PagedAttentionOp make_op(const char* name, int pool_type) {
-  PagedAttentionOp op{custom_op_base(), name, pool_type, false};
+  PagedAttentionOp op{custom_op_base(), name, pool_type, false, false};
   op.CreateKernel = create_kernel;
   op.GetName = [](CustomOp* o) { return static_cast<PagedAttentionOp*>(o)->name; };
   op.GetInputType = [](CustomOp* o, size_t i) {
@@ -363,12 +379,35 @@ PagedAttentionOp make_rotary_op(const char* name, int pool_type) {
   return op;
 }
 
-PagedAttentionOp kOps[8] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionFp16", kFloat16),
-                            make_op("PagedAttentionInt8", kInt8), make_op("PagedAttentionFp8", kUint8),
-                            make_rotary_op("RotaryPagedAttention", kFloat),
-                            make_rotary_op("RotaryPagedAttentionFp16", kFloat16),
-                            make_rotary_op("RotaryPagedAttentionInt8", kInt8),
-                            make_rotary_op("RotaryPagedAttentionFp8", kUint8)};
+// The rotary op whose input 0 is x, projected to q|k|v by QuantMatMul's weights as its last input (uint8; with
+// QuantMatMul's attributes N, bits, group_size, offsets): plugins/attention.py folds the q|k|v projection in.
+PagedAttentionOp make_quant_op(const char* name, int pool_type) {
+  PagedAttentionOp op = make_rotary_op(name, pool_type);
+  op.quant = true;
+  op.GetInputType = [](CustomOp* o, size_t i) {
+    static const int types[13] = {kFloat, kInt64, kFloat, kFloat, 0, 0, kInt64, kInt64, kInt64, kBool, kInt64,
+                                  kFloat, kFloat};
+    const int pool = static_cast<PagedAttentionOp*>(o)->pool_type;
+    if (i + 1 == (pool == kInt8 || pool == kUint8 ? 14u : 12u)) return static_cast<int>(kUint8);
+    return i == 4 || i == 5 ? pool : types[i];
+  };
+  op.GetInputTypeCount = [](CustomOp* o) {
+    const int pool = static_cast<PagedAttentionOp*>(o)->pool_type;
+    return size_t{pool == kInt8 || pool == kUint8 ? 14u : 12u};  // RotaryPagedAttention*'s + the weights
+  };
+  return op;
+}
+
+PagedAttentionOp kOps[12] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionFp16", kFloat16),
+                             make_op("PagedAttentionInt8", kInt8), make_op("PagedAttentionFp8", kUint8),
+                             make_rotary_op("RotaryPagedAttention", kFloat),
+                             make_rotary_op("RotaryPagedAttentionFp16", kFloat16),
+                             make_rotary_op("RotaryPagedAttentionInt8", kInt8),
+                             make_rotary_op("RotaryPagedAttentionFp8", kUint8),
+                             make_quant_op("QuantRotaryPagedAttention", kFloat),
+                             make_quant_op("QuantRotaryPagedAttentionFp16", kFloat16),
+                             make_quant_op("QuantRotaryPagedAttentionInt8", kInt8),
+                             make_quant_op("QuantRotaryPagedAttentionFp8", kUint8)};
 
 }  // namespace
 

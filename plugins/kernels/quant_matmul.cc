@@ -43,6 +43,7 @@
 #include "add_rms_norm.h"
 #include "ort_abi.h"
 #include "quant_bf16.h"
+#include "quant_project.h"
 #include "swiglu.h"
 
 namespace engine_kernels {
@@ -51,13 +52,6 @@ namespace {
 using namespace quant;  // NOLINT: the tiles' job, layout constants and helpers
 
 constexpr const char* kName = "QuantMatMul";
-
-// One projection's weights: N columns of `bits` in blocks of `group`, with offsets or not, SwiGLU after it or not.
-struct Projection {
-  int64_t n, bits, group;
-  bool offsets, swiglu;
-  int64_t out_n() const { return swiglu ? n / 2 : n; }
-};
 
 struct QuantKernel {
   Api api;
@@ -134,15 +128,15 @@ void matmul_item(void* opaque, size_t i) {
   }
 }
 
-// The weights of projection p, checked against its input width k.
-void check_weights(const Projection& p, int64_t k, const Tensor& w) {
-  require(k % p.group == 0, kName, "K must be a multiple of group_size");
+}  // namespace
+
+void check_weights(const Projection& p, int64_t k, const Tensor& w, const char* op) {
+  require(k % p.group == 0, op, "K must be a multiple of group_size");
   const int64_t tiles = (p.n + kLanes - 1) / kLanes, block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
-  require(w.shape == std::vector<int64_t>{tiles, k / p.group, block_bytes}, kName,
+  require(w.shape == std::vector<int64_t>{tiles, k / p.group, block_bytes}, op,
           "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
 }
 
-// out [T, p.out_n()] = x @ W^T (then silu(gate) * up with swiglu), as the header describes.
 void project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
              float* out) {
   const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (p.n + kLanes - 1) / kLanes;
@@ -184,6 +178,23 @@ void project(const Api& api, OrtKernelContext* context, const Projection& p, con
   else parallel_for(api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
 }
 
+Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::string& prefix, bool sized) {
+  using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
+  int64_t n = 1, bits = 0, group = 0, offsets = 0;
+  if (sized) api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "N").c_str(), &n);
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "bits").c_str(), &bits);
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "group_size").c_str(), &group);
+  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "offsets").c_str(), &offsets);
+  require(n > 0, kName, "N must be positive");
+  require(bits == 4 || bits == 8, kName, "bits must be 4 or 8");
+  require(group > 0 && group % kSub == 0, kName, "group_size must be a positive multiple of 32");
+  const bool swiglu = sized && api.optional_int(info, (prefix + "swiglu").c_str(), 0) != 0;
+  require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
+  return {n, bits, group, offsets != 0, swiglu};
+}
+
+namespace {
+
 // The *AddRMSNorm epilogue: total (holding the projection) += residual, normed = its norm.
 void add_norm(const QuantKernel& kernel, OrtKernelContext* context, const Tensor& residual, const Tensor& weight,
               int64_t tokens, float* normed, float* total) {
@@ -200,8 +211,8 @@ void compute(void* opaque, OrtKernelContext* context) {
   const auto &x = in[0], &w = in[1];
   require(x.shape.size() == 2, kName, "x must be [T, K]");
   const int64_t tokens = x.shape[0], n = kernel.out_n();
-  check_weights(kernel.first, x.shape[1], w);
-  if (kernel.mlp) check_weights(kernel.down, kernel.first.out_n(), in[2]);
+  check_weights(kernel.first, x.shape[1], w, kName);
+  if (kernel.mlp) check_weights(kernel.down, kernel.first.out_n(), in[2], kName);
   float* normed = nullptr;
   if (kernel.add_norm) {
     const auto &residual = in[2 + kernel.mlp], &weight = in[3 + kernel.mlp];
@@ -269,23 +280,6 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
                 block_bytes, p.offsets};
   job.out = output<float>(kernel.api, context, 0, {tokens, job.hidden});
   parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
-}
-
-// The attributes of one projection, named with `prefix` ("down_" for QuantMLP's second); a table QuantGather reads
-// has no N or swiglu (`sized` false).
-Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::string& prefix, bool sized) {
-  using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  int64_t n = 1, bits = 0, group = 0, offsets = 0;
-  if (sized) api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "N").c_str(), &n);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "bits").c_str(), &bits);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "group_size").c_str(), &group);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "offsets").c_str(), &offsets);
-  require(n > 0, kName, "N must be positive");
-  require(bits == 4 || bits == 8, kName, "bits must be 4 or 8");
-  require(group > 0 && group % kSub == 0, kName, "group_size must be a positive multiple of 32");
-  const bool swiglu = sized && api.optional_int(info, (prefix + "swiglu").c_str(), 0) != 0;
-  require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
-  return {n, bits, group, offsets != 0, swiglu};
 }
 
 void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather, bool mlp, bool add_norm) {

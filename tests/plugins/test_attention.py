@@ -262,3 +262,39 @@ def test_rejects_bad_head_counts():
     step = make_step(np.random.default_rng(0), [(3, 1)], 2, 8, 3)
     with pytest.raises(EngineError, match="multiple"):
         run_op(attention_graph(3, 2, 8, 0.3, None, "attention"), step.feeds)
+
+
+@pytest.mark.parametrize("steps", list(STEPS))
+def test_quant_rotary_paged_attention_equals_its_projection_then_attention(steps):
+    """Where the engine's QuantMatMul makes the q|k|v that only RotaryPagedAttention reads, the attention node
+    takes the projection in (QuantRotaryPagedAttention, plugins/attention._fold_projection): the same output and
+    K/V rows, bit for bit, as the two nodes."""
+    from engine.builder.graph import ENGINE_DOMAIN
+    from engine.plugins import quant_matmul
+    from tests.plugins.test_quant_matmul import q4_1_weight
+    if not quant_matmul.supported(32, 4):
+        pytest.skip("QuantMatMul needs AVX-512 VNNI or AVX2 (plugins/quant_matmul.supported)")
+    heads, kv_heads, hd = 9, 3, 64
+    step, feeds, _ = rotary_step(np.random.default_rng(5), STEPS[steps], heads, kv_heads, hd)
+    tokens = len(feeds.pop("qkv"))
+    x = np.random.default_rng(6).standard_normal((tokens, 96)).astype(np.float32)
+    q = q4_1_weight((heads + 2 * kv_heads) * hd, 96, 7)
+    ops = {}
+
+    def graph(reader: bool):
+        def fn(g, xs, *rest):
+            qkv = g.scope("/qkv")("QuantMatMul", [xs, g.weight("qkv.weight", quant_matmul.pack(q))],
+                                  domain=ENGINE_DOMAIN, N=q.shape[0], bits=q.bits, group_size=q.group_size,
+                                  offsets=1)
+            if reader:
+                g.scope("/other")("Relu", [qkv])
+            out = rotary_graph(heads, kv_heads, hd ** -0.5, None)(g, qkv, *rest)
+            ops[reader] = [n.op_type for n in g.nodes if n.op_type != "Identity"]
+            return out
+        return fn
+
+    folded = run_op(graph(False), {"x": x, **feeds}, threads=2)
+    apart = run_op(graph(True), {"x": x, **feeds}, threads=2)
+    assert ops == {False: ["QuantRotaryPagedAttention"], True: ["QuantMatMul", "Relu", "RotaryPagedAttention"]}
+    for a, b in zip(folded, apart):
+        np.testing.assert_array_equal(a, b)

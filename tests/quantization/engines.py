@@ -27,8 +27,10 @@ REPACKED = quant_matmul.supported(32, 4)
 PROJECTION_OP = "engine.QuantMatMul" if REPACKED else "com.microsoft.MatMulNBits"
 GATHER_OP = "engine.QuantGather" if REPACKED else "com.microsoft.GatherBlockQuantized"
 # QuantMatMul's fused forms, with the projections each holds: the residual add and norm after it folded in
-# (plugins/rms_norm.py), a gated MLP's two projections in one node (plugins/gated_mlp.quant_mlp)
-FUSED_PROJECTION_OPS = {"engine.QuantMatMulAddRMSNorm": 1, "engine.QuantMLP": 2, "engine.QuantMLPAddRMSNorm": 2}
+# (plugins/rms_norm.py), a gated MLP's two projections in one node (plugins/gated_mlp.quant_mlp), the q|k|v
+# projection inside the attention node (plugins/attention.py)
+FUSED_PROJECTION_OPS = {"engine.QuantMatMulAddRMSNorm": 1, "engine.QuantMLP": 2, "engine.QuantMLPAddRMSNorm": 2,
+                        **{f"engine.QuantRotaryPagedAttention{kv}": 1 for kv in ("", "Fp16", "Int8", "Fp8")}}
 
 
 def projections(counts: dict[str, int], op: str = PROJECTION_OP) -> int:

@@ -1,0 +1,30 @@
+// QuantMatMul's projection (quant_matmul.cc), for the ops of other files that project their input first:
+// QuantRotaryPagedAttention* (paged_attention.cc) runs the q|k|v projection before the attention.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ort_abi.h"
+
+namespace engine_kernels {
+
+// One projection's weights: N columns of `bits` in blocks of `group`, with offsets or not, SwiGLU after it or not.
+struct Projection {
+  int64_t n, bits, group;
+  bool offsets, swiglu;
+  int64_t out_n() const { return swiglu ? n / 2 : n; }
+};
+
+// The attributes of one projection, named with `prefix` ("down_" for QuantMLP's second); a table QuantGather reads
+// has no N or swiglu (`sized` false).
+Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::string& prefix, bool sized);
+
+// The weights of projection p, checked against its input width k (std::invalid_argument naming `op`).
+void check_weights(const Projection& p, int64_t k, const Tensor& w, const char* op);
+
+// out [T, p.out_n()] = x @ W^T (then silu(gate) * up with swiglu), as quant_matmul.cc's header describes.
+void project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
+             float* out);
+
+}  // namespace engine_kernels
