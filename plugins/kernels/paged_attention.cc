@@ -360,18 +360,23 @@ PagedAttentionOp make_op(const char* name, int pool_type) {
   return op;
 }
 
-PagedAttentionOp make_rotary_op(const char* name, int pool_type) {
+// Inputs of a RotaryPagedAttention* op: + k_scale, v_scale for scaled pools; + the q|k|v weights for Quant*.
+size_t rotary_inputs(const PagedAttentionOp& op) {
+  return (op.pool_type == kInt8 || op.pool_type == kUint8 ? 13u : 11u) + (op.quant ? 1u : 0u);
+}
+
+PagedAttentionOp make_rotary_op(const char* name, int pool_type, bool quant = false) {
   PagedAttentionOp op = make_op(name, pool_type);
   op.rotary = true;
+  op.quant = quant;
   op.GetInputType = [](CustomOp* o, size_t i) {
     static const int types[13] = {kFloat, kInt64, kFloat, kFloat, 0, 0, kInt64, kInt64, kInt64, kBool, kInt64,
                                   kFloat, kFloat};
-    return i == 4 || i == 5 ? static_cast<PagedAttentionOp*>(o)->pool_type : types[i];
+    const auto& op = *static_cast<PagedAttentionOp*>(o);
+    if (op.quant && i + 1 == rotary_inputs(op)) return static_cast<int>(kUint8);
+    return i == 4 || i == 5 ? op.pool_type : types[i];
   };
-  op.GetInputTypeCount = [](CustomOp* o) {
-    const int pool = static_cast<PagedAttentionOp*>(o)->pool_type;
-    return size_t{pool == kInt8 || pool == kUint8 ? 13u : 11u};  // + k_scale, v_scale
-  };
+  op.GetInputTypeCount = [](CustomOp* o) { return rotary_inputs(*static_cast<PagedAttentionOp*>(o)); };
   op.GetOutputType = [](CustomOp* o, size_t i) {
     return i == 0 ? static_cast<int>(kFloat) : static_cast<PagedAttentionOp*>(o)->pool_type;
   };
@@ -381,22 +386,7 @@ PagedAttentionOp make_rotary_op(const char* name, int pool_type) {
 
 // The rotary op whose input 0 is x, projected to q|k|v by QuantMatMul's weights as its last input (uint8; with
 // QuantMatMul's attributes N, bits, group_size, offsets): plugins/attention.py folds the q|k|v projection in.
-PagedAttentionOp make_quant_op(const char* name, int pool_type) {
-  PagedAttentionOp op = make_rotary_op(name, pool_type);
-  op.quant = true;
-  op.GetInputType = [](CustomOp* o, size_t i) {
-    static const int types[13] = {kFloat, kInt64, kFloat, kFloat, 0, 0, kInt64, kInt64, kInt64, kBool, kInt64,
-                                  kFloat, kFloat};
-    const int pool = static_cast<PagedAttentionOp*>(o)->pool_type;
-    if (i + 1 == (pool == kInt8 || pool == kUint8 ? 14u : 12u)) return static_cast<int>(kUint8);
-    return i == 4 || i == 5 ? pool : types[i];
-  };
-  op.GetInputTypeCount = [](CustomOp* o) {
-    const int pool = static_cast<PagedAttentionOp*>(o)->pool_type;
-    return size_t{pool == kInt8 || pool == kUint8 ? 14u : 12u};  // RotaryPagedAttention*'s + the weights
-  };
-  return op;
-}
+PagedAttentionOp make_quant_op(const char* name, int pool_type) { return make_rotary_op(name, pool_type, true); }
 
 PagedAttentionOp kOps[12] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionFp16", kFloat16),
                              make_op("PagedAttentionInt8", kInt8), make_op("PagedAttentionFp8", kUint8),
