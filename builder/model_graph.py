@@ -153,7 +153,8 @@ class _Builder:
         if p.gemm_swiglu_plugin:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             hidden = gate_times_up(g, op, fused, m.intermediate_size // self.tp, m.activation, kernel=kernel)
-            return quant_mlp(g, self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj"), name=f"{name}/QuantMLP")
+            down = self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
+            return quant_mlp(g, down, name=f"{name}/QuantMLP")
         if calibrated:
             fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
             half = fused.shape[0] // 2

@@ -93,4 +93,3 @@ def quant_mlp(g: Graph, y: str, *, name: str) -> str:
     g.rename(gate_up, name)
     g.nodes.remove(down)
     return y
-
