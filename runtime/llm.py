@@ -49,6 +49,7 @@ class EngineLoopStopped(RuntimeError):
     """The background engine thread died (a bug, not bad input): every request in flight gets it, and so does
     every later one; only a new LLM runs again. The server answers 500 for the requests in flight, 503 after."""
 
+
 Prompt = Union[str, Seq[int]]          # text, or token ids used as they are
 Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
@@ -116,7 +117,7 @@ class LLM:
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._failure: BaseException | None = None   # what stopped the engine loop, if it died
+        self._failure: str | None = None   # EngineLoopStopped's message, once the engine loop has died
         self._drive_lock = threading.Lock()   # one inline driver at a time
 
     # ---- making requests ---------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ class LLM:
     def _submit(self, seq: Sequence, text: str | None, sink: Sink) -> None:
         with self._cond:
             if self._failure is not None:
-                raise EngineLoopStopped(f"the engine loop stopped ({self._failure!r}); start a new LLM")
+                raise EngineLoopStopped(self._failure)
             if seq.request_id in self._sinks:
                 raise EngineError(f"request id {seq.request_id!r} is already in flight; use a unique id")
             self._sinks[seq.request_id] = sink
@@ -316,9 +317,10 @@ class LLM:
             except BaseException as e:  # a bug in a step's hand-over: fail every reader, rather than hang it
                 log.exception("the engine loop stopped")
                 with self._cond:
-                    self._failure, sinks, self._sinks = e, self._sinks, {}
+                    self._failure = f"the engine loop stopped ({e!r}); start a new LLM"
+                    sinks, self._sinks = self._sinks, {}
                 for sink in sinks.values():
-                    sink(EngineLoopStopped(f"the engine loop stopped ({e!r}); start a new LLM"))
+                    sink(EngineLoopStopped(self._failure))
 
     def _run_loop(self) -> None:
         while True:
