@@ -272,8 +272,6 @@ def test_quant_rotary_paged_attention_equals_its_projection_then_attention(steps
     from engine.builder.graph import ENGINE_DOMAIN
     from engine.plugins import quant_matmul
     from tests.plugins.test_quant_matmul import q4_1_weight
-    if not quant_matmul.supported(32, 4):
-        pytest.skip("QuantMatMul needs AVX-512 VNNI or AVX2 (plugins/quant_matmul.supported)")
     heads, kv_heads, hd = 9, 3, 64
     step, feeds, _ = rotary_step(np.random.default_rng(5), STEPS[steps], heads, kv_heads, hd)
     tokens = len(feeds.pop("qkv"))
