@@ -188,7 +188,7 @@ void amx_item(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int64_t 
     if (Bits == 4 && tl + 1 < last) next = unpacked_nibbles(j, tl + 1);
     const int64_t stride = Bits == 4 ? j.group * kLanes : j.block_bytes;
     for (int64_t t = t0; t < full; t += kAmxRows) amx_group<Offsets>(j, tl, t / kAmxRows, cols, body, stride);
-    if (full < t1) tile<Bits, Offsets>(j, tl, full, t1, cols);
+    if (full < t1) tile<Bits, Offsets>(j, tl, full, t1, cols, job_out(j, tl));
   }
   _tile_release();
 }

@@ -116,16 +116,33 @@ void quantize_row(void* opaque, size_t t) {
   }
 }
 
-// Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk).
+// Rows t0 .. t1 - 1 of gate tiles first .. last - 1 (< tiles / 2) of a swiglu job and of their up tiles (+ tiles
+// / 2), each into a buffer of this thread's, then silu(gate) * up into out [T, N / 2] (swiglu.h): the [T, N]
+// projection is never stored (a [2048, 3072] one was 25 MB a prefill step to write and read back, bench/NOTES.md 43).
+void swiglu_tiles(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int64_t last) {
+  thread_local std::vector<float> gate, up;
+  gate.resize(static_cast<size_t>((t1 - t0) * kLanes));
+  up.resize(gate.size());
+  const int64_t width = j.n / 2;
+  for (int64_t tl = first; tl < last; ++tl) {
+    tile(j, tl, t0, t1, kLanes, TileOut{gate.data(), kLanes, t0});
+    tile(j, tl + j.tiles / 2, t0, t1, kLanes, TileOut{up.data(), kLanes, t0});
+    for (int64_t t = t0; t < t1; ++t)
+      swiglu_span(gate.data() + (t - t0) * kLanes, up.data() + (t - t0) * kLanes, j.out + t * width + tl * kLanes,
+                  kLanes);
+  }
+}
+
+// Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk) (of
+// the gate tiles, with swiglu).
 void matmul_item(void* opaque, size_t i) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
   const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * kRowChunk, t1 = std::min(j.tokens, t0 + kRowChunk);
   const int64_t first = static_cast<int64_t>(i) % j.tile_items * j.tile_chunk;
-  const int64_t last = std::min(j.tiles, first + j.tile_chunk);
+  const int64_t last = std::min(j.swiglu ? j.tiles / 2 : j.tiles, first + j.tile_chunk);
+  if (j.swiglu) return swiglu_tiles(j, t0, t1, first, last);
   if (amx_tiles(j, t0, t1, first, last)) return;
-  for (int64_t tl = first; tl < last; ++tl) {
-    tile(j, tl, t0, t1, std::min(kLanes, j.n - tl * kLanes));
-  }
+  for (int64_t tl = first; tl < last; ++tl) tile(j, tl, t0, t1, std::min(kLanes, j.n - tl * kLanes), job_out(j, tl));
 }
 
 }  // namespace
@@ -142,18 +159,19 @@ void project(const Api& api, OrtKernelContext* context, const Projection& p, con
   const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (p.n + kLanes - 1) / kLanes;
   const int64_t block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
   if (tokens == 0) return;
-  // With the SwiGLU epilogue the bfloat16 tiles write silu(gate) * up themselves; the other code writes the
-  // projection [T, N] here first.
-  const bool bf16 = bf16_rows(tokens), staged = p.swiglu && !bf16;
+  // With the SwiGLU epilogue the bfloat16 and the vector tiles write silu(gate) * up themselves (their items take
+  // a gate tile with its up tile); the AMX int8 tiles write the projection [T, N] here first.
+  const bool bf16 = bf16_rows(tokens), staged = p.swiglu && !bf16 && amx_rows(tokens);
   thread_local std::vector<float> projection;
   if (staged) projection.resize(static_cast<size_t>(tokens * p.n));
   thread_local Activations a;
   // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
-  const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(tiles / 8, 1, 4) : 4;
+  const int64_t item_tiles = p.swiglu && !staged ? tiles / 2 : tiles;
+  const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(item_tiles / 8, 1, 4) : 4;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
-               k / p.group, block_bytes, tiles, tile_chunk, (tiles + tile_chunk - 1) / tile_chunk,
-               p.offsets, p.swiglu};
+               k / p.group, block_bytes, tiles, tile_chunk, (item_tiles + tile_chunk - 1) / tile_chunk,
+               p.offsets, p.swiglu && !staged};
   if (bf16) {
     size_bf16_rows(job);
     parallel_for(api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);
@@ -174,8 +192,7 @@ void project(const Api& api, OrtKernelContext* context, const Projection& p, con
   parallel_for(api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
   if (!staged) return;
   SwigluRows rows{projection.data(), out, p.n / 2};
-  if (tokens == 1) swiglu_row(&rows, 0);
-  else parallel_for(api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
+  parallel_for(api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
 }
 
 Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::string& prefix, bool sized) {

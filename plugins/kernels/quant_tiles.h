@@ -62,6 +62,17 @@ struct QuantJob {
   bool swiglu = false;  // out [T, N / 2] = silu(columns < N / 2) * (columns >= N / 2), where the tiles write it
 };
 
+// Where a tile's outputs go: column c of row t at at[(t - first_row) * ld + c].
+struct TileOut {
+  float* at;
+  int64_t ld;
+  int64_t first_row = 0;
+  float* row(int64_t t) const { return at + (t - first_row) * ld; }
+};
+
+// The tile's columns of the job's own output [T, N].
+inline TileOut job_out(const QuantJob& j, int64_t tile) { return {j.out + tile * kLanes, j.n}; }
+
 // The first element of v on a cache line (v holds 64 bytes to spare): tile loads and aligned stores want one.
 template <typename T>
 inline T* aligned64(std::vector<T>& v) {
@@ -171,11 +182,15 @@ inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s,
 
 // Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16). Subs: sub-blocks a block, 0 when
 // only known at run time (a compile-time 1, the blocks of 32 of GGUF's Q4_1 and Q8_0, lets the compiler keep the
-// sums in registers across blocks instead of copying them around a loop of one iteration).
+// sums in registers across blocks instead of copying them around a loop of one iteration). `stream`: the tile's
+// blocks come from memory (the first rows of an item) and are prefetched; later rows read them from L1, where the
+// prefetches only cost (a Zen 5, 8 rows from L1: 284 -> 306-322 G MAC/s a core without them, bench/NOTES.md 43).
 template <int Bits, bool Offsets, int R, int Subs>
-void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
+void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, bool stream) {
   const int64_t subs = Subs ? Subs : j.group / kSub;
-  constexpr int kChains = R >= 6 ? 1 : 2;  // dot-product chains a row: vpdpbusd's latency must not bound few rows
+  // Two dot-product chains a row, so that vpdpbusd's latency does not bound the rows (on a Zen 5 one chain each
+  // at 8 rows left 8% of the tile's speed: 263 -> 284 G MAC/s a core, bench/NOTES.md 43)
+  constexpr int kChains = 2;
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
   const int8_t* qa = j.a->q.data() + t0 * j.k;
   const float* da = j.a->d.data() + t0 * j.groups;
@@ -184,7 +199,7 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < j.groups; ++b) {
     const uint8_t* header = p;
-    prefetch_block(header, j.block_bytes);
+    if (stream) prefetch_block(header, j.block_bytes);
     p += kHeader;
     __m512i dot[R][kChains];
     ENGINE_UNROLL
@@ -211,7 +226,7 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
   ENGINE_UNROLL
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(j.out + (t0 + r) * j.n + tile * kLanes, keep, acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(o.row(t0 + r), keep, acc[r]);
 }
 
 #endif
@@ -263,7 +278,7 @@ inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256
 // Halves h0 .. h0 + H - 1 (8 columns each) of output rows t0 .. t0 + R - 1 of one tile, in one pass over its
 // blocks; Subs as in the AVX-512 tile_rows.
 template <int Bits, bool Offsets, int R, int Subs, int H>
-void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, int h0) {
+void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, int h0) {
   const int64_t subs = Subs ? Subs : j.group / kSub;
   const float *da = j.a->d.data() + t0 * j.groups, *dasum = j.a->dasum.data() + t0 * j.groups;
   const int32_t* sum = j.a->sum.data() + t0 * j.groups;
@@ -323,22 +338,23 @@ void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, int 
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     ENGINE_UNROLL
     for (int r = 0; r < R; ++r)
-      _mm256_maskstore_ps(j.out + (t0 + r) * j.n + tile * kLanes + 8 * (h0 + h), keep, acc[h][r]);
+      _mm256_maskstore_ps(o.row(t0 + r) + 8 * (h0 + h), keep, acc[h][r]);
   }
 }
 
-// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16), in one pass or a pass per half.
+// Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols) (cols <= 16), in one pass or a pass per half (which
+// prefetches the weights when it takes both halves of few rows, whatever `stream` says).
 template <int Bits, bool Offsets, int R, int Subs>
-void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols) {
+void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, bool /*stream*/) {
   if constexpr (R <= 2) {
-    if (cols > 8) return tile_halves<Bits, Offsets, R, Subs, 2>(j, tile, t0, cols, 0);
+    if (cols > 8) return tile_halves<Bits, Offsets, R, Subs, 2>(j, tile, t0, cols, o, 0);
   }
   for (int half = 0; half < 2 && 8 * half < cols; ++half)
-    tile_halves<Bits, Offsets, R, Subs, 1>(j, tile, t0, cols, half);
+    tile_halves<Bits, Offsets, R, Subs, 1>(j, tile, t0, cols, o, half);
 }
 #endif
 
-inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
+inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
   const int64_t subs = j.group / kSub;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t c = 0; c < cols; ++c) {
@@ -361,38 +377,40 @@ inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, in
           acc = std::fma(static_cast<float>(dot - (1 << (j.bits - 1)) * sum), d * scale, acc);
         }
       }
-      j.out[t * j.n + tl * kLanes + c] = acc;
+      o.row(t)[c] = acc;
     }
 }
 
 #if defined(ENGINE_KERNELS_VNNI) || defined(ENGINE_KERNELS_AVX2)
 template <int Bits, bool Offsets, int Subs>
-void tile_subs(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols) {
-  int64_t t = t0;
-  for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows, Subs>(j, tile, t, cols);
+void tile_subs(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  int64_t t = t0;  // the first rows stream the tile's blocks from memory, the others find them in L1
+  for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows, Subs>(j, tile, t, cols, o, t == t0);
   if (t + 4 <= t1) {
-    tile_rows<Bits, Offsets, 4, Subs>(j, tile, t, cols);
+    tile_rows<Bits, Offsets, 4, Subs>(j, tile, t, cols, o, t == t0);
     t += 4;
   }
   switch (t1 - t) {
-    case 3: tile_rows<Bits, Offsets, 3, Subs>(j, tile, t, cols); break;
-    case 2: tile_rows<Bits, Offsets, 2, Subs>(j, tile, t, cols); break;
-    case 1: tile_rows<Bits, Offsets, 1, Subs>(j, tile, t, cols); break;
+    case 3: tile_rows<Bits, Offsets, 3, Subs>(j, tile, t, cols, o, t == t0); break;
+    case 2: tile_rows<Bits, Offsets, 2, Subs>(j, tile, t, cols, o, t == t0); break;
+    case 1: tile_rows<Bits, Offsets, 1, Subs>(j, tile, t, cols, o, t == t0); break;
     default: break;
   }
 }
 
 template <int Bits, bool Offsets>
-void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols) {
-  j.group == kSub ? tile_subs<Bits, Offsets, 1>(j, tile, t0, t1, cols) : tile_subs<Bits, Offsets, 0>(j, tile, t0, t1, cols);
+void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  j.group == kSub ? tile_subs<Bits, Offsets, 1>(j, tile, t0, t1, cols, o)
+                  : tile_subs<Bits, Offsets, 0>(j, tile, t0, t1, cols, o);
 }
 
-inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
-  by_kind(j, [&](auto bits, auto offsets) { tile<bits, offsets>(j, tl, t0, t1, cols); });
+// Rows t0 .. t1 - 1 of tile tl (cols <= 16 of its columns) into o.
+inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  by_kind(j, [&](auto bits, auto offsets) { tile<bits, offsets>(j, tl, t0, t1, cols, o); });
 }
 #else
-inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols) {
-  plain_tile(j, tl, t0, t1, cols);
+inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  plain_tile(j, tl, t0, t1, cols, o);
 }
 #endif
 

@@ -192,7 +192,7 @@ def gated_op(x: np.ndarray, q: QuantizedWeight, fused: bool) -> np.ndarray:
     return run_op(graph, {"x": x})
 
 
-@pytest.mark.parametrize("tokens", [1, 6, 70, 300])   # the staged projection (VNNI, AMX int8); bfloat16 tiles
+@pytest.mark.parametrize("tokens", [1, 6, 70, 300])   # vector tiles in pairs (AMX int8: staged); bfloat16 tiles
 def test_swiglu_epilogue_equals_the_swiglu_op(tokens):
     """swiglu=1 gives exactly SwiGLU(QuantMatMul): the same projection, the same silu(gate) * up (swiglu.h), for
     every weight kind; N = 96: gate and up of 3 tiles each, so the bfloat16 tiles pair tile i with tile i + 3."""
