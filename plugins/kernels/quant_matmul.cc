@@ -16,8 +16,8 @@
 // to bfloat16, summed in float32), closer to the exact product than int8 activations.
 // Attributes: N, bits, group_size (a multiple of 32), offsets; swiglu (optional, default 0): 1 makes the output
 // [T, N / 2] = silu(y[:, :N/2]) * y[:, N/2:] of the projection y (a fused gate|up, N / 2 a multiple of 16; the
-// SwiGLU op's math, swiglu.h), which the bfloat16 tiles write without storing y. N is padded to whole tiles with
-// zero columns.
+// SwiGLU op's math, swiglu.h), which the bfloat16 and the vector tiles write without storing y (AMX int8 tiles stage
+// it). N is padded to whole tiles with zero columns.
 //
 // QuantMatMulAddRMSNorm: QuantMatMul followed by AddRMSNorm (add_rms_norm.cc) of its output in one node, for a
 // projection whose only reader is the residual add and norm after it (plugins/rms_norm.py: o_proj and down_proj of
