@@ -87,8 +87,11 @@ void run_item(void* opaque, size_t i) {
     x.next.clear();
     if (i + 1 < last)
       visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[i + 1]], j.seen[i + 1], part, j.parts, x.next);
+    float* partial = j.partials.data() + (i * j.parts + part) * partial_size(j.s);
     attend_part(j.s, j.scale, j.softcap, j.q + j.queries[j.rows[j.singles[i]]] * j.s.heads * j.s.hd, j.kc, j.vc,
-                j.partials.data() + (i * j.parts + part) * partial_size(j.s), x);
+                partial, x);
+    // a whole token's keys: its output is final here, not in attend()'s serial combine after the items
+    if (j.parts == 1) combine(j.s, partial, 1, j.out + j.singles[i] * j.s.heads * j.s.hd);
   }
 }
 
@@ -176,6 +179,7 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
   const int64_t single_items = (singles + job.per_item - 1) / job.per_item * job.parts;
   job.partials.resize(static_cast<size_t>(singles * job.parts * partial_size(s)));
   parallel_for(k.api, context, static_cast<size_t>(tile_items + single_items), run_item<P>, &job);
+  if (job.parts == 1) return;  // the items wrote each token's output
   for (int64_t i = 0; i < singles; ++i)
     combine(s, job.partials.data() + i * job.parts * partial_size(s), job.parts,
             out + job.singles[static_cast<size_t>(i)] * s.heads * s.hd);
