@@ -139,7 +139,7 @@ void matmul_item(void* opaque, size_t i) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
   const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * kRowChunk, t1 = std::min(j.tokens, t0 + kRowChunk);
   const int64_t first = static_cast<int64_t>(i) % j.tile_items * j.tile_chunk;
-  const int64_t last = std::min(j.swiglu ? j.tiles / 2 : j.tiles, first + j.tile_chunk);
+  const int64_t last = std::min(j.item_tiles(), first + j.tile_chunk);
   if (j.swiglu) return swiglu_tiles(j, t0, t1, first, last);
   if (amx_tiles(j, t0, t1, first, last)) return;
   for (int64_t tl = first; tl < last; ++tl) tile(j, tl, t0, t1, std::min(kLanes, j.n - tl * kLanes), job_out(j, tl));
@@ -165,13 +165,12 @@ void project(const Api& api, OrtKernelContext* context, const Projection& p, con
   thread_local std::vector<float> projection;
   if (staged) projection.resize(static_cast<size_t>(tokens * p.n));
   thread_local Activations a;
-  // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
-  const int64_t item_tiles = p.swiglu && !staged ? tiles / 2 : tiles;
-  const int64_t tile_chunk = tokens == 1 ? std::clamp<int64_t>(item_tiles / 8, 1, 4) : 4;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
-               k / p.group, block_bytes, tiles, tile_chunk, (item_tiles + tile_chunk - 1) / tile_chunk,
-               p.offsets, p.swiglu && !staged};
+               k / p.group, block_bytes, tiles, 0, 0, p.offsets, p.swiglu && !staged};
+  // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
+  job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / 8, 1, 4) : 4;
+  job.tile_items = (job.item_tiles() + job.tile_chunk - 1) / job.tile_chunk;
   if (bf16) {
     size_bf16_rows(job);
     parallel_for(api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);

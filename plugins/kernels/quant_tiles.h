@@ -60,6 +60,8 @@ struct QuantJob {
   int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
   bool offsets;
   bool swiglu = false;  // out [T, N / 2] = silu(columns < N / 2) * (columns >= N / 2), where the tiles write it
+  // The tiles the vector tiles' items are cut from: with swiglu the gate tiles, each taken with its up tile
+  int64_t item_tiles() const { return swiglu ? tiles / 2 : tiles; }
 };
 
 // Where a tile's outputs go: column c of row t at at[(t - first_row) * ld + c].
