@@ -110,7 +110,7 @@ class EngineCore:
         chunks = [SeqChunk(token_ids=c.token_ids, start_pos=c.start_pos,
                            block_table=list(self.blocks.block_table(c.seq.request_id)),
                            want_logits=c.want_logits) for c in sched.chunks]
-        logits = self.session.run(chunks)
+        logits = self.session.run(chunks, copy=False)   # sampled before the next run overwrites it
         sampled = [c.seq for c in sched.chunks if c.want_logits]
         assert logits.shape[0] == len(sampled), (logits.shape, len(sampled))
         rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,

@@ -8,7 +8,9 @@
               ORT's ScatterND writes the step's K/V into the pool in place (no copy of the pool per step)
     run(chunks) -> logits [chunks wanting logits, vocab_size]; ORT writes them into one buffer allocated here
                    [max_batch_size, vocab_padded] (no per-step output allocation, no wrapping of the 61 bound
-                   outputs that IOBinding.get_outputs() does); run returns a copy of the rows it filled
+                   outputs that IOBinding.get_outputs() does); run returns a copy of the rows it filled, or
+                   with copy=False a view of them that the next run overwrites (the engine core samples from it
+                   before its next step: a [32, 49152] copy was ~0.3 ms of a 16 ms step, bench/NOTES.md entry 44)
 
 The session knows blocks only as ids; which sequence owns which block is the block manager's business.
 It must not import builder/, recipes/ or torch.
@@ -57,8 +59,9 @@ class EngineSession:
             self._binding.bind_ortvalue_input(name_in, value)
             self._binding.bind_ortvalue_output(name_out, value)
 
-    def run(self, chunks: list[SeqChunk]) -> np.ndarray:
-        """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order."""
+    def run(self, chunks: list[SeqChunk], *, copy: bool = True) -> np.ndarray:
+        """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order; copy=False: a view of
+        the session's buffer, valid until the next run."""
         inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
         check_step(inputs, chunks, self.config, self.num_blocks)
         for name, array in inputs.items():
@@ -70,7 +73,8 @@ class EngineSession:
                                       self._logits.ctypes.data)
             self._logit_rows = rows
         self._session.run_with_iobinding(self._binding)
-        return self._logits[:rows, :self.config.model.vocab_size].copy()
+        logits = self._logits[:rows, :self.config.model.vocab_size]
+        return logits.copy() if copy else logits
 
 
 # the pool element of each --kv-cache-dtype an engine may have (quantization/kv_cache.py builds them)
