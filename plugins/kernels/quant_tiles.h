@@ -32,9 +32,10 @@ constexpr int64_t kLanes = 16;     // columns per tile
 constexpr int64_t kSub = 32;       // K values per sub-block
 constexpr int64_t kHeader = 64;    // bytes of a block's scales
 constexpr int64_t kRowChunk = 64;  // rows per work item (their A tiles stay in L1 on AMX)
-// rows sharing each unpacked weight register: 8 in AVX-512's 32 registers (bench/NOTES.md entry 35), 4 in AVX2's 16
+// rows sharing each unpacked weight register: 10 in AVX-512's 32 registers (one dot-product chain each; 8 rows of
+// two chains ran 1.5-6% slower on a Zen 5, bench/NOTES.md entry 44), 4 in AVX2's 16
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int kRows = 8;
+constexpr int kRows = 10;
 #else
 constexpr int kRows = 4;
 #endif
@@ -199,9 +200,10 @@ inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s,
 template <int Bits, bool Offsets, int R, int Subs>
 void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, bool stream) {
   const int64_t subs = Subs ? Subs : j.group / kSub;
-  // Two dot-product chains a row, so that vpdpbusd's latency does not bound the rows (on a Zen 5 one chain each
-  // at 8 rows left 8% of the tile's speed: 263 -> 284 G MAC/s a core, bench/NOTES.md 43)
-  constexpr int kChains = 2;
+  // Enough independent dot-product chains that vpdpbusd's latency does not bound the rows: a Zen 5 issues two a
+  // cycle, 4-5 cycles each, so 8 rows with one chain each left 8% of the tile's speed (263 -> 284 G MAC/s a core,
+  // bench/NOTES.md 43); fewer than 10 rows take two a row
+  constexpr int kChains = R >= 10 ? 1 : 2;
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
   const int8_t* qa = j.a->q.data() + t0 * j.k;
   const float* da = j.a->d.data() + t0 * j.groups;
@@ -396,7 +398,18 @@ inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, in
 template <int Bits, bool Offsets, int Subs>
 void tile_subs(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
   int64_t t = t0;  // the first rows stream the tile's blocks from memory, the others find them in L1
-  for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows, Subs>(j, tile, t, cols, o, t == t0);
+  if constexpr (kRows > 8) {
+    // as many kRows-row passes as leave the fewest rows beside the 8- and 4-row ones, whose passes are nearly as
+    // fast: 16 rows as 8 + 8 (10 + 4 + 2 ran 7% slower), 12 as 8 + 4, 32 as 10 + 10 + 8 + 4
+    const int64_t rows = t1 - t0;
+    int64_t passes = 0;
+    for (int64_t k = 1; k * kRows <= rows; ++k)
+      if ((rows - k * kRows) % 4 <= (rows - passes * kRows) % 4) passes = k;
+    for (; t < t0 + passes * kRows; t += kRows) tile_rows<Bits, Offsets, kRows, Subs>(j, tile, t, cols, o, t == t0);
+    for (; t + 8 <= t1; t += 8) tile_rows<Bits, Offsets, 8, Subs>(j, tile, t, cols, o, t == t0);
+  } else {
+    for (; t + kRows <= t1; t += kRows) tile_rows<Bits, Offsets, kRows, Subs>(j, tile, t, cols, o, t == t0);
+  }
   if (t + 4 <= t1) {
     tile_rows<Bits, Offsets, 4, Subs>(j, tile, t, cols, o, t == t0);
     t += 4;
