@@ -61,9 +61,10 @@ WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40 or 44: the last tile of
 
 
 @pytest.mark.parametrize("weight", sorted(WEIGHTS))
-# rows in groups of 4 (a short last group), chunks of 64 rows; on AMX groups of 16 (the rest in groups of 4), and
-# from 64 rows bfloat16 tiles: pairs of row groups, a short last group
-@pytest.mark.parametrize("tokens", [1, 3, 6, 63, 70, 300])
+# rows in groups of 4 (a short last group), chunks of 64 rows; on AVX-512 VNNI passes of 10 and 8 rows (16: 8 + 8,
+# 32: 10 + 10 + 8 + 4, 63: 5 x 10 + 8 + 4 + 1); on AMX groups of 16 (the rest in groups of 4), and from 64 rows
+# bfloat16 tiles: pairs of row groups, a short last group
+@pytest.mark.parametrize("tokens", [1, 3, 6, 16, 32, 63, 70, 300])
 # the last tile of 16 columns partial: 8 columns (one AVX2 half), or 12 (one and two rows take both halves in one
 # pass, the second partial)
 @pytest.mark.parametrize("n", [40, 44])
