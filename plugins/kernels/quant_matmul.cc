@@ -29,6 +29,9 @@
 // in a buffer of the calling thread's: inputs x, the gate|up weights, the down weights; attributes QuantMatMul's
 // for gate|up and down_N, down_bits, down_group_size, down_offsets for down. QuantMLPAddRMSNorm adds the residual
 // and norm after it as QuantMatMulAddRMSNorm does (inputs 3, 4). Each is the unfused nodes' arithmetic exactly.
+// On the vector code the SwiGLU tiles also round the [T, N / 2] to down's int8 blocks as they write them (when an
+// item's columns are whole blocks of down's), so down reads them at once: one pass over the hidden rows and one
+// parallel loop fewer (a 16 x 128 prefill 1.012-1.014x, bench/NOTES.md entry 44).
 //
 // QuantGather (below) reads rows of the same blocks: a tied embedding and a quantized lm_head share one table.
 //
@@ -63,57 +66,68 @@ struct QuantKernel {
   int64_t out_n() const { return mlp ? down.out_n() : first.out_n(); }
 };
 
+// One block of `group` values xb -> its int8 values qb, their scale da and sum, and da * sum (the shift of blocks with
+// offsets), at `at` of a's per-block arrays.
+void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, size_t at) {
+  float amax = 0;
+  int32_t sum = 0;
+  int64_t e = 0;
+#ifdef ENGINE_KERNELS_VNNI
+  __m512 m = _mm512_setzero_ps();
+  for (; e < group; e += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + e)));
+  amax = _mm512_reduce_max_ps(m);
+  const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+  __m512i total = _mm512_setzero_si512();
+  for (e = 0; e < group; e += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + e), inv));  // nearest, ties even
+    total = _mm512_add_epi32(total, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + e), _mm512_cvtepi32_epi8(v));
+  }
+  sum = _mm512_reduce_add_epi32(total);
+#elif defined(ENGINE_KERNELS_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (; e < group; e += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + e)));
+  for (int lane = 0; lane < 8; ++lane) amax = std::max(amax, m[lane]);
+  const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+  __m256i total = _mm256_setzero_si256();
+  for (e = 0; e < group; e += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + e), inv));  // nearest, ties even
+    total = _mm256_add_epi32(total, v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + e), _mm_packs_epi16(w, w));
+  }
+  int32_t lanes[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), total);
+  for (int lane = 0; lane < 8; ++lane) sum += lanes[lane];
+#else
+  for (; e < group; ++e) amax = std::max(amax, std::fabs(xb[e]));
+  const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+  for (e = 0; e < group; ++e) {
+    qb[e] = static_cast<int8_t>(std::nearbyint(xb[e] * inv));
+    sum += qb[e];
+  }
+#endif
+  a.d[at] = amax / 127.0f;
+  a.sum[at] = sum;
+  a.dasum[at] = amax / 127.0f * static_cast<float>(sum);
+}
+
+// a's arrays sized for `tokens` rows of k values in blocks of `group`.
+void sized_for(Activations& a, int64_t tokens, int64_t k, int64_t group) {
+  a.q.resize(static_cast<size_t>(tokens * k));
+  a.d.resize(static_cast<size_t>(tokens * k / group));
+  a.sum.resize(a.d.size());
+  a.dasum.resize(a.d.size());
+}
+
 // Row t of x -> its int8 values, scales and sums, one block at a time.
 void quantize_row(void* opaque, size_t t) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
-  const float* x = j.x + static_cast<int64_t>(t) * j.k;
-  int8_t* q = j.a->q.data() + static_cast<int64_t>(t) * j.k;
-  for (int64_t b = 0; b < j.groups; ++b) {
-    const float* xb = x + b * j.group;
-    int8_t* qb = q + b * j.group;
-    float amax = 0;
-    int32_t sum = 0;
-    int64_t e = 0;
-#ifdef ENGINE_KERNELS_VNNI
-    __m512 m = _mm512_setzero_ps();
-    for (; e < j.group; e += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + e)));
-    amax = _mm512_reduce_max_ps(m);
-    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-    __m512i total = _mm512_setzero_si512();
-    for (e = 0; e < j.group; e += 16) {
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + e), inv));  // nearest, ties even
-      total = _mm512_add_epi32(total, v);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + e), _mm512_cvtepi32_epi8(v));
-    }
-    sum = _mm512_reduce_add_epi32(total);
-#elif defined(ENGINE_KERNELS_AVX2)
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_setzero_ps();
-    for (; e < j.group; e += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + e)));
-    for (int lane = 0; lane < 8; ++lane) amax = std::max(amax, m[lane]);
-    const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-    __m256i total = _mm256_setzero_si256();
-    for (e = 0; e < j.group; e += 8) {
-      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + e), inv));  // nearest, ties even
-      total = _mm256_add_epi32(total, v);
-      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + e), _mm_packs_epi16(w, w));
-    }
-    int32_t lanes[8];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), total);
-    for (int lane = 0; lane < 8; ++lane) sum += lanes[lane];
-#else
-    for (; e < j.group; ++e) amax = std::max(amax, std::fabs(xb[e]));
-    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-    for (e = 0; e < j.group; ++e) {
-      qb[e] = static_cast<int8_t>(std::nearbyint(xb[e] * inv));
-      sum += qb[e];
-    }
-#endif
-    j.a->d[static_cast<size_t>(t * j.groups + b)] = amax / 127.0f;
-    j.a->sum[static_cast<size_t>(t * j.groups + b)] = sum;
-    j.a->dasum[static_cast<size_t>(t * j.groups + b)] = amax / 127.0f * static_cast<float>(sum);
-  }
+  const int64_t row = static_cast<int64_t>(t);
+  for (int64_t b = 0; b < j.groups; ++b)
+    quantize_block(j.x + row * j.k + b * j.group, j.group, j.a->q.data() + row * j.k + b * j.group, *j.a,
+                   static_cast<size_t>(row * j.groups + b));
 }
 
 // Rows t0 .. t1 - 1 of gate tiles first .. last - 1 (< tiles / 2) of a swiglu job and of their up tiles (+ tiles
@@ -131,6 +145,13 @@ void swiglu_tiles(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int6
       swiglu_span(gate.data() + (t - t0) * kLanes, up.data() + (t - t0) * kLanes, j.out + t * width + tl * kLanes,
                   kLanes);
   }
+  if (j.next == nullptr) return;
+  // the item's columns are whole blocks of the next projection (project() checks): quantize them while in cache
+  const int64_t g = j.next_group, blocks = width / g;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t b = first * kLanes / g; b < last * kLanes / g; ++b)
+      quantize_block(j.out + t * width + b * g, g, j.next->q.data() + t * width + b * g, *j.next,
+                     static_cast<size_t>(t * blocks + b));
 }
 
 // Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk) (of
@@ -154,17 +175,18 @@ void check_weights(const Projection& p, int64_t k, const Tensor& w, const char* 
           "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
 }
 
-void project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
-             float* out) {
+bool project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
+             float* out, const Quantized& quantized) {
   const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (p.n + kLanes - 1) / kLanes;
   const int64_t block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
-  if (tokens == 0) return;
+  if (tokens == 0) return false;
   // With the SwiGLU epilogue the bfloat16 and the vector tiles write silu(gate) * up themselves (their items take
   // a gate tile with its up tile); the AMX int8 tiles write the projection [T, N] here first.
   const bool bf16 = bf16_rows(tokens), staged = p.swiglu && !bf16 && amx_rows(tokens);
   thread_local std::vector<float> projection;
   if (staged) projection.resize(static_cast<size_t>(tokens * p.n));
-  thread_local Activations a;
+  thread_local Activations own;
+  Activations& a = quantized.x ? *quantized.x : own;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
                k / p.group, block_bytes, tiles, 0, 0, p.offsets, p.swiglu && !staged};
@@ -175,23 +197,30 @@ void project(const Api& api, OrtKernelContext* context, const Projection& p, con
     size_bf16_rows(job);
     parallel_for(api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);
     parallel_for(api, context, bf16_item_count(job), bf16_items, &job);
-    return;
+    return false;
   }
-  a.q.resize(static_cast<size_t>(tokens * k));
-  a.d.resize(static_cast<size_t>(tokens * k / p.group));
-  a.sum.resize(a.d.size());
-  a.dasum.resize(a.d.size());
-  if (tokens == 1) quantize_row(&job, 0);
-  else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
+  if (quantized.x == nullptr) {
+    sized_for(a, tokens, k, p.group);
+    if (tokens == 1) quantize_row(&job, 0);
+    else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
+  }
+  // The SwiGLU tiles quantize their output for the next projection when their items' columns are its whole blocks
+  const int64_t width = p.n / 2, g = quantized.next_group;
+  if (quantized.next != nullptr && job.swiglu && width % g == 0 && job.tile_chunk * kLanes % g == 0) {
+    sized_for(*quantized.next, tokens, width, g);
+    job.next = quantized.next;
+    job.next_group = g;
+  }
   if (amx_rows(tokens)) {
     size_packed_rows(job);
     parallel_for(api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
   }
   const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
   parallel_for(api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
-  if (!staged) return;
+  if (!staged) return job.next != nullptr;
   SwigluRows rows{projection.data(), out, p.n / 2};
   parallel_for(api, context, static_cast<size_t>(tokens), swiglu_row, &rows);
+  return false;
 }
 
 Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::string& prefix, bool sized) {
@@ -239,9 +268,12 @@ void compute(void* opaque, OrtKernelContext* context) {
   float* y = output<float>(kernel.api, context, kernel.add_norm ? 1 : 0, {tokens, n});
   if (kernel.mlp) {  // gate|up with SwiGLU into a buffer of this thread's, then down from it
     thread_local std::vector<float> hidden;
+    thread_local Activations hidden_q;  // its int8 rows, when gate|up's SwiGLU tiles quantize them
     hidden.resize(static_cast<size_t>(tokens * kernel.first.out_n()));
-    project(kernel.api, context, kernel.first, x, w, hidden.data());
-    project(kernel.api, context, kernel.down, Tensor{hidden.data(), {tokens, kernel.first.out_n()}}, in[2], y);
+    const bool quantized = project(kernel.api, context, kernel.first, x, w, hidden.data(),
+                                   {nullptr, &hidden_q, kernel.down.group});
+    project(kernel.api, context, kernel.down, Tensor{hidden.data(), {tokens, kernel.first.out_n()}}, in[2], y,
+            {quantized ? &hidden_q : nullptr});
   } else {
     project(kernel.api, context, kernel.first, x, w, y);
   }

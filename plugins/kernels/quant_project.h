@@ -23,8 +23,22 @@ Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::s
 // The weights of projection p, checked against its input width k (std::invalid_argument naming `op`).
 void check_weights(const Projection& p, int64_t k, const Tensor& w, const char* op);
 
-// out [T, p.out_n()] = x @ W^T (then silu(gate) * up with swiglu), as quant_matmul.cc's header describes.
-void project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
-             float* out);
+namespace quant {
+struct Activations;
+}
+
+// Int8 rows a projection is handed or asked for (QuantMLP): x's, already quantized by the projection before it
+// (then x's floats are not read again for them); `next`, where a SwiGLU projection's vector tiles quantize its
+// output in blocks of next_group for the projection after it (its down), while the rows are in cache.
+struct Quantized {
+  quant::Activations* x = nullptr;
+  quant::Activations* next = nullptr;
+  int64_t next_group = 0;
+};
+
+// out [T, p.out_n()] = x @ W^T (then silu(gate) * up with swiglu), as quant_matmul.cc's header describes. True
+// when `quantized.next` now holds out's int8 rows (only the SwiGLU tiles of the vector code write them).
+bool project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
+             float* out, const Quantized& quantized = {});
 
 }  // namespace engine_kernels

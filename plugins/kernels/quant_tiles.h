@@ -61,6 +61,8 @@ struct QuantJob {
   int64_t tokens, k, n, bits, group, groups, block_bytes, tiles, tile_chunk, tile_items;
   bool offsets;
   bool swiglu = false;  // out [T, N / 2] = silu(columns < N / 2) * (columns >= N / 2), where the tiles write it
+  Activations* next = nullptr;  // with swiglu: the SwiGLU tiles also quantize out into it, in blocks of next_group
+  int64_t next_group = 0;
   // The tiles the vector tiles' items are cut from: with swiglu the gate tiles, each taken with its up tile
   int64_t item_tiles() const { return swiglu ? tiles / 2 : tiles; }
 };

@@ -272,7 +272,9 @@ def mlp_graph(x: np.ndarray, r: np.ndarray, w: np.ndarray, gate_up: QuantizedWei
 def test_quant_mlp_equals_its_two_projections(tokens):
     """A quantized gated MLP folded into one QuantMLP node (plugins/gated_mlp.quant_mlp), with the norm after it
     (QuantMLPAddRMSNorm) or not, gives bit for bit what its two QuantMatMul nodes (then AddRMSNorm) give, for
-    weights of each kind in either projection."""
+    weights of each kind in either projection. From 6 rows the SwiGLU tiles of the vector code quantize the hidden
+    rows for a down of 32-blocks themselves (an item's 64 columns: whole blocks); 128-blocks and one row (16-column
+    items) quantize them in down's own pass."""
     rng = np.random.default_rng(tokens)
     x, r = rng.standard_normal((tokens, 64)).astype(np.float32), rng.standard_normal((tokens, 40)).astype(np.float32)
     w = rng.uniform(0.5, 1.5, 40).astype(np.float32)
