@@ -66,9 +66,9 @@ struct QuantKernel {
   int64_t out_n() const { return mlp ? down.out_n() : first.out_n(); }
 };
 
-// One block of `group` values xb -> its int8 values qb, their scale da and sum, and da * sum (the shift of blocks with
-// offsets), at `at` of a's per-block arrays.
-void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, size_t at) {
+// One block of `group` values xb -> its int8 values qb, their scale da and sum, da * sum and zero * sum (the shifts
+// of blocks with offsets and without, zero the weights' zero point), at `at` of a's per-block arrays.
+void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, size_t at, int32_t zero) {
   float amax = 0;
   int32_t sum = 0;
   int64_t e = 0;
@@ -111,6 +111,7 @@ void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, 
   a.d[at] = amax / 127.0f;
   a.sum[at] = sum;
   a.dasum[at] = amax / 127.0f * static_cast<float>(sum);
+  a.zero_sum[at] = zero * sum;
 }
 
 // a's arrays sized for `tokens` rows of k values in blocks of `group`.
@@ -119,6 +120,7 @@ void sized_for(Activations& a, int64_t tokens, int64_t k, int64_t group) {
   a.d.resize(static_cast<size_t>(tokens * k / group));
   a.sum.resize(a.d.size());
   a.dasum.resize(a.d.size());
+  a.zero_sum.resize(a.d.size());
 }
 
 // Row t of x -> its int8 values, scales and sums, one block at a time.
@@ -127,7 +129,7 @@ void quantize_row(void* opaque, size_t t) {
   const int64_t row = static_cast<int64_t>(t);
   for (int64_t b = 0; b < j.groups; ++b)
     quantize_block(j.x + row * j.k + b * j.group, j.group, j.a->q.data() + row * j.k + b * j.group, *j.a,
-                   static_cast<size_t>(row * j.groups + b));
+                   static_cast<size_t>(row * j.groups + b), zero_point(j.bits, j.offsets));
 }
 
 // Rows t0 .. t1 - 1 of gate tiles first .. last - 1 (< tiles / 2) of a swiglu job and of their up tiles (+ tiles
@@ -151,7 +153,7 @@ void swiglu_tiles(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int6
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t b = first * kLanes / g; b < last * kLanes / g; ++b)
       quantize_block(j.out + t * width + b * g, g, j.next->q.data() + t * width + b * g, *j.next,
-                     static_cast<size_t>(t * blocks + b));
+                     static_cast<size_t>(t * blocks + b), j.next_zero);
 }
 
 // Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk) (of
@@ -205,11 +207,12 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
   }
   // The SwiGLU tiles quantize their output for the next projection when their items' columns are its whole blocks
-  const int64_t width = p.n / 2, g = quantized.next_group;
-  if (quantized.next != nullptr && job.swiglu && width % g == 0 && job.tile_chunk * kLanes % g == 0) {
+  const int64_t width = p.n / 2, g = quantized.after ? quantized.after->group : 0;
+  if (quantized.next && quantized.after && job.swiglu && width % g == 0 && job.tile_chunk * kLanes % g == 0) {
     sized_for(*quantized.next, tokens, width, g);
     job.next = quantized.next;
     job.next_group = g;
+    job.next_zero = zero_point(quantized.after->bits, quantized.after->offsets);
   }
   if (amx_rows(tokens)) {
     size_packed_rows(job);
@@ -271,7 +274,7 @@ void compute(void* opaque, OrtKernelContext* context) {
     thread_local Activations hidden_q;  // its int8 rows, when gate|up's SwiGLU tiles quantize them
     hidden.resize(static_cast<size_t>(tokens * kernel.first.out_n()));
     const bool quantized = project(kernel.api, context, kernel.first, x, w, hidden.data(),
-                                   {nullptr, &hidden_q, kernel.down.group});
+                                   {nullptr, &hidden_q, &kernel.down});
     project(kernel.api, context, kernel.down, Tensor{hidden.data(), {tokens, kernel.first.out_n()}}, in[2], y,
             {quantized ? &hidden_q : nullptr});
   } else {

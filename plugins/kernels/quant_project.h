@@ -29,11 +29,11 @@ struct Activations;
 
 // Int8 rows a projection is handed or asked for (QuantMLP): x's, already quantized by the projection before it
 // (then x's floats are not read again for them); `next`, where a SwiGLU projection's vector tiles quantize its
-// output in blocks of next_group for the projection after it (its down), while the rows are in cache.
+// output for the projection `after` it (its down: that one's blocks and zero point), while the rows are in cache.
 struct Quantized {
   quant::Activations* x = nullptr;
   quant::Activations* next = nullptr;
-  int64_t next_group = 0;
+  const Projection* after = nullptr;
 };
 
 // out [T, p.out_n()] = x @ W^T (then silu(gate) * up with swiglu), as quant_matmul.cc's header describes. True

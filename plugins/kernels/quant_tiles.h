@@ -45,6 +45,7 @@ struct Activations {
   std::vector<float> d;      // [T, K / group]: da
   std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
   std::vector<float> dasum;  // [T, K / group]: da * sum(qa), the shift of blocks with offsets (shift_of)
+  std::vector<int32_t> zero_sum;  // [T, K / group]: zero_point * sum(qa), the shift of blocks without (0 with)
   // The same rows in groups of 16 as AMX reads them (quant_amx.h): [T / 16, K / kc, 16, kc] A tiles, and per
   // group, block and row the scale da and the shift (shift_of below)
   std::vector<int8_t> tiles;
@@ -63,6 +64,7 @@ struct QuantJob {
   bool swiglu = false;  // out [T, N / 2] = silu(columns < N / 2) * (columns >= N / 2), where the tiles write it
   Activations* next = nullptr;  // with swiglu: the SwiGLU tiles also quantize out into it, in blocks of next_group
   int64_t next_group = 0;
+  int32_t next_zero = 0;  // the zero point of the next projection's weights (0 with offsets)
   // The tiles the vector tiles' items are cut from: with swiglu the gate tiles, each taken with its up tile
   int64_t item_tiles() const { return swiglu ? tiles / 2 : tiles; }
 };
@@ -86,6 +88,9 @@ inline T* aligned64(std::vector<T>& v) {
 }
 
 inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
+
+// The zero point blocks without offsets take off (2^(bits - 1)); 0 with offsets.
+inline int32_t zero_point(int64_t bits, bool offsets) { return offsets ? 0 : 1 << (bits - 1); }
 
 // f(bits, offsets) with both as compile-time constants (std::integral_constant) for the job's weight kind.
 template <class F>
@@ -175,11 +180,13 @@ inline Shift<Offsets> shift_of(float da, int32_t sum) {
   else return (1 << (Bits - 1)) * sum;
 }
 
-// The shift of row t's block b, shift_of(da, sum) (with offsets computed once per row by quantize_row).
+// The shift of row t's block b, shift_of(da, sum), as quantize_row stored it: a load the tile's vpsubd reads as a
+// broadcast. Computing zero_point * sum here took a shift, a vpbroadcastd from a general register and the vpsubd a
+// row and block, ~10% of the 8-bit tile's speed on a Zen 5 (bench/NOTES.md entry 44).
 template <int Bits, bool Offsets>
 inline Shift<Offsets> shift_at(const QuantJob& j, int64_t t, int64_t b) {
   if constexpr (Offsets) return j.a->dasum[t * j.groups + b];
-  else return shift_of<Bits, Offsets>(0.0f, j.a->sum[t * j.groups + b]);
+  else return j.a->zero_sum[t * j.groups + b];
 }
 
 // acc plus one row's block: dots = q . qa_b, da = da_b (the header comment's formula).
