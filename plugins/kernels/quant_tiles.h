@@ -147,7 +147,7 @@ inline void load_sub(const uint8_t* p, __m512i w[8]) {
 
 // acc + the dot products of w's bytes with the 4 activations at a, broadcast to every lane: vpdpbusd reading them
 // as an embedded broadcast, one micro-fused load, where GCC emits a vpbroadcastd beside each vpdpbusd for
-// _mm512_set1_epi32 (the tile issues one a vpdpbusd). On a Zen 5 the 8-row tile gained 1.5-5% in a C++ harness,
+// _mm512_set1_epi32 (the tile issues one a vpdpbusd). On a Zen 5 the tile (8 rows then) gained 1.5-5% in a harness,
 // one thread, 9 turns of 9 (bench/NOTES.md entry 44). The same sums: integer arithmetic.
 inline __m512i dot_broadcast(__m512i acc, __m512i w, const int32_t* a) {
   asm("vpdpbusd {%2%{1to16%}, %1, %0|%0, %1, %2%{1to16%}}" : "+v"(acc) : "v"(w), "m"(*a));
