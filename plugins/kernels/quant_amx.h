@@ -44,7 +44,7 @@ inline bool amx_rows(int64_t tokens) { return tokens >= kAmxRows && amx_ready();
 // The A tiles start on a cache line (a row of a tile load must not straddle two).
 inline int8_t* packed_tiles(Activations& a) { return aligned64(a.tiles); }
 
-// The per-row shifts (shift_of) of the packed groups: da * sum(qa) with offsets, zero_point * sum(qa) without.
+// The per-row shifts (shift_at) of the packed groups: da * sum(qa) with offsets, zero_point * sum(qa) without.
 template <bool Offsets>
 std::vector<Shift<Offsets>>& shift_table(Activations& a) {
   if constexpr (Offsets) return a.dasum16;
@@ -68,7 +68,7 @@ void pack_group(const QuantJob& j, int64_t g) {
       const size_t at = static_cast<size_t>((g * j.groups + b) * kAmxRows + r);
       const float da = a.d[static_cast<size_t>(t * j.groups + b)];
       a.da16[at] = da;
-      shift_table<Offsets>(a)[at] = shift_of<Bits, Offsets>(da, a.sum[static_cast<size_t>(t * j.groups + b)]);
+      shift_table<Offsets>(a)[at] = shift_at<Offsets>(j, t, b);
     }
   }
 }

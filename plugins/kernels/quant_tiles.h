@@ -44,10 +44,10 @@ struct Activations {
   std::vector<int8_t> q;     // [T, K]
   std::vector<float> d;      // [T, K / group]: da
   std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
-  std::vector<float> dasum;  // [T, K / group]: da * sum(qa), the shift of blocks with offsets (shift_of)
+  std::vector<float> dasum;  // [T, K / group]: da * sum(qa), the shift of blocks with offsets (shift_at)
   std::vector<int32_t> zero_sum;  // [T, K / group]: zero_point * sum(qa), the shift of blocks without (0 with)
   // The same rows in groups of 16 as AMX reads them (quant_amx.h): [T / 16, K / kc, 16, kc] A tiles, and per
-  // group, block and row the scale da and the shift (shift_of below)
+  // group, block and row the scale da and the shift (shift_at below)
   std::vector<int8_t> tiles;
   std::vector<float> da16, dasum16;  // [T / 16, K / group, 16]; dasum16 with offsets
   std::vector<int32_t> zero16;       // [T / 16, K / group, 16]; without offsets
@@ -91,6 +91,20 @@ inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
 
 // The zero point blocks without offsets take off (2^(bits - 1)); 0 with offsets.
 inline int32_t zero_point(int64_t bits, bool offsets) { return offsets ? 0 : 1 << (bits - 1); }
+
+// What a row's block adds beside d * da * dots: m * da * sum(qa) with offsets, else -zero_point * sum(qa) inside the
+// integers; shift holds da * sum(qa) or zero_point * sum(qa).
+template <bool Offsets>
+using Shift = std::conditional_t<Offsets, float, int32_t>;
+
+// The shift of row t's block b as quantize stored it (every tile and the AMX packing read it there): a load the VNNI
+// tile's vpsubd reads as a broadcast. Computing zero_point * sum in the tile took a shift, a vpbroadcastd from a
+// general register and the vpsubd a row and block, ~10% of the 8-bit tile's speed on a Zen 5 (bench/NOTES.md 44).
+template <bool Offsets>
+inline Shift<Offsets> shift_at(const QuantJob& j, int64_t t, int64_t b) {
+  if constexpr (Offsets) return j.a->dasum[t * j.groups + b];
+  else return j.a->zero_sum[t * j.groups + b];
+}
 
 // f(bits, offsets) with both as compile-time constants (std::integral_constant) for the job's weight kind.
 template <class F>
@@ -169,26 +183,6 @@ struct BlockScales {
   }
 };
 
-// What a row's block adds beside d * da * dots: m * da * sum(qa) with offsets, else -zero_point * sum(qa) inside the
-// integers; shift holds da * sum(qa) or zero_point * sum(qa).
-template <bool Offsets>
-using Shift = std::conditional_t<Offsets, float, int32_t>;
-
-template <int Bits, bool Offsets>
-inline Shift<Offsets> shift_of(float da, int32_t sum) {
-  if constexpr (Offsets) return da * static_cast<float>(sum);
-  else return (1 << (Bits - 1)) * sum;
-}
-
-// The shift of row t's block b, shift_of(da, sum), as quantize_row stored it: a load the tile's vpsubd reads as a
-// broadcast. Computing zero_point * sum here took a shift, a vpbroadcastd from a general register and the vpsubd a
-// row and block, ~10% of the 8-bit tile's speed on a Zen 5 (bench/NOTES.md entry 44).
-template <int Bits, bool Offsets>
-inline Shift<Offsets> shift_at(const QuantJob& j, int64_t t, int64_t b) {
-  if constexpr (Offsets) return j.a->dasum[t * j.groups + b];
-  else return j.a->zero_sum[t * j.groups + b];
-}
-
 // acc plus one row's block: dots = q . qa_b, da = da_b (the header comment's formula).
 template <bool Offsets>
 inline __m512 add_block(__m512 acc, __m512i dots, const BlockScales<Offsets>& s, float da, Shift<Offsets> shift) {
@@ -243,7 +237,7 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const 
     ENGINE_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512i dots = kChains == 1 ? dot[r][0] : _mm512_add_epi32(dot[r][0], dot[r][kChains - 1]);
-      acc[r] = add_block<Offsets>(acc[r], dots, scales, da[r * j.groups + b], shift_at<Bits, Offsets>(j, t0 + r, b));
+      acc[r] = add_block<Offsets>(acc[r], dots, scales, da[r * j.groups + b], shift_at<Offsets>(j, t0 + r, b));
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
@@ -347,7 +341,8 @@ void tile_halves(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, cons
         const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(header) + 8 * half);
         ENGINE_UNROLL
         for (int r = 0; r < R; ++r) {
-          const __m256i zero = _mm256_set1_epi32(Bits == 4 ? 8 * sum[r * j.groups + b] : 0);
+          // 8 bits: the dots are (q - 128) . qa already (sub_dots)
+          const __m256i zero = _mm256_set1_epi32(Bits == 4 ? shift_at<false>(j, t0 + r, b) : 0);
           const __m256 dots = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[h][r], zero));
           acc[h][r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(da[r * j.groups + b])), acc[h][r]);
         }
@@ -389,14 +384,13 @@ inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, in
             dot += weight_at(p + kHeader + s * sub_bytes(j.bits), j.bits, c, kk) *
                    j.a->q[static_cast<size_t>(t * j.k + b * j.group + s * kSub + kk)];
         const float scale = j.a->d[static_cast<size_t>(t * j.groups + b)];
-        const int32_t sum = j.a->sum[static_cast<size_t>(t * j.groups + b)];
         if (j.offsets) {
-          acc = std::fma(half_to_float(p + 32 + 2 * c), scale * static_cast<float>(sum), acc);
+          acc = std::fma(half_to_float(p + 32 + 2 * c), shift_at<true>(j, t, b), acc);
           acc = std::fma(static_cast<float>(dot), half_to_float(p + 2 * c) * scale, acc);
         } else {
           float d;
           std::memcpy(&d, p + 4 * c, sizeof d);
-          acc = std::fma(static_cast<float>(dot - (1 << (j.bits - 1)) * sum), d * scale, acc);
+          acc = std::fma(static_cast<float>(dot - shift_at<false>(j, t, b)), d * scale, acc);
         }
       }
       o.row(t)[c] = acc;
