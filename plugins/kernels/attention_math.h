@@ -59,6 +59,23 @@ inline void write_row(const float* x, const float* scale, int64_t n, P* to) {
   for (int64_t c = 0; c < n; ++c) store(scale ? x[c] / scale[c] : x[c], to + c);
 }
 
+#if defined(ENGINE_KERNELS_AVX2) && defined(__F16C__)
+// The same into a float16 pool, 8 values a vcvtps2ph: the instruction the scalar store compiles to, so the same bits
+// (max(lo, x) then min(hi, .) keep a NaN, as clamp does). The scalar loop's 192 two-byte stores a row filled the
+// store queue behind the row's cache misses (the step's slots are not in cache): 16 x 128 prefill 1.008-1.025x.
+inline void write_row(const float* x, const float* scale, int64_t n, _Float16* to) {
+  int64_t c = 0;
+  if (!scale) {
+    const __m256 lo = _mm256_set1_ps(-65504.0f), hi = _mm256_set1_ps(65504.0f);
+    for (; c + 8 <= n; c += 8) {
+      const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(x + c)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to + c), _mm256_cvtps_ph(v, _MM_FROUND_CUR_DIRECTION));
+    }
+  }
+  for (; c < n; ++c) store(scale ? x[c] / scale[c] : x[c], to + c);
+}
+#endif
+
 inline float widen(float x) { return x; }
 inline float widen(_Float16 x) { return static_cast<float>(x); }
 inline float widen(int8_t x) { return static_cast<float>(x); }
