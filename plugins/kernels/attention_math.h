@@ -72,7 +72,7 @@ inline void write_row(const float* x, const float* scale, int64_t n, _Float16* t
       _mm_storeu_si128(reinterpret_cast<__m128i*>(to + c), _mm256_cvtps_ph(v, _MM_FROUND_CUR_DIRECTION));
     }
   }
-  for (; c < n; ++c) store(scale ? x[c] / scale[c] : x[c], to + c);
+  write_row<_Float16>(x + c, scale ? scale + c : nullptr, n - c, to + c);  // the tail, or a scaled row
 }
 #endif
 
