@@ -10,8 +10,8 @@ token budget (max_num_tokens) over at most max_batch_size sequences:
   2. then prefills in rank order: running ones part-way through their prompt and waiting ones (new prompts, or
      preempted ones to recompute), while the budget and the batch size allow. A prompt longer than the budget
      left is chunked; its next chunk runs in the next step. While decodes run, a chunk is also capped at
-     `max_prefill_chunk_with_decodes` tokens: the step's attention pads every sequence to its longest query, so
-     one long chunk would make every decode of the step pay for its length.
+     `max_prefill_chunk_with_decodes` tokens: a step lasts as long as its longest work, and every decode of the
+     step waits for it, so the cap bounds the decodes' inter-token time while a long prompt prefills.
 
 Rank: the lower `priority` value first, then the earlier arrival (FCFS is the same order with every priority 0).
 
@@ -42,10 +42,12 @@ from .sequence import FinishReason, Sequence, Status
 
 POLICIES = ("fcfs", "priority")
 # The cap on a prefill chunk in a step that also runs decodes, chosen by bench/scheduler.py (part 3) on SmolLM2:
-# eight decodes while a 1,000-token prompt prefills, CPU seconds, 1 thread. Without a cap the one step took 33 s
-# (every decode padded to 1,000 query rows); with caps 32 / 64 / 128 / 256 / 512 the worst step took 1.2 / 2.0 /
-# 3.5 / 6.9 / 14.7 s and the long prompt's TTFT was 24 / 21 / 20 / 21 / 24 s (33 s without a cap). 128 gave the
-# best TTFT with a bounded inter-token time. A cap costs no budget: several prompts still get a chunk each.
+# eight decodes while a 1,000-token prompt prefills, 1 thread. First measured when a step's attention padded every
+# decode to the longest chunk's queries (no cap: one 33 s step; 128: 3.5 s worst step and the best TTFT). Since
+# step_inputs cuts a long chunk into rows, a cap no longer saves work, it only bounds the step: on the int4 engine
+# (2026-12-05, Zen 5) no cap ran one 680 ms step (TTFT 0.68 s); caps 32 / 64 / 128 / 256 / 512 gave worst steps of
+# 39 / 67 / 108 / 195 / 394 ms and TTFTs of 0.91 / 0.79 / 0.69 / 0.65 / 0.68 s. 128 keeps the inter-token time near
+# 0.1 s for 2% more TTFT. A cap costs no budget: several prompts still get a chunk each.
 DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES = 128
 
 
