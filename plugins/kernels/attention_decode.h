@@ -158,6 +158,13 @@ void chunk_values(const Shapes& s, const float* p, const P* vc, const int64_t* k
 inline float max_score(const float* p, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
+#ifdef __AVX512F__
+  if (n >= 16) {  // sixteen running maxima, folded by a shuffle tree (the maximum is exact in any order)
+    __m512 t = _mm512_loadu_ps(p);
+    for (i = 16; i + 16 <= n; i += 16) t = _mm512_max_ps(t, _mm512_loadu_ps(p + i));
+    top = _mm512_reduce_max_ps(t);
+  }
+#endif
 #ifdef ENGINE_KERNELS_AVX2
   __m256 t = _mm256_set1_ps(top);  // eight running maxima: a scalar max is one long latency chain
   for (; i + 8 <= n; i += 8) t = _mm256_max_ps(t, _mm256_loadu_ps(p + i));
@@ -174,6 +181,16 @@ inline float exp_sum(float* p, int64_t n, float top) {
 #ifdef ENGINE_KERNELS_AVX2
   const __m256 t = _mm256_set1_ps(top);
   __m256 acc = _mm256_setzero_ps();
+#ifdef __AVX512F__
+  // Sixteen exps at a time (lane by lane the 8-lane exp's operations), summed in the 8-lane loop's order: the
+  // same floats, and half the exp passes over a chunk's scores.
+  for (const __m512 t16 = _mm512_set1_ps(top); i + 16 <= n; i += 16) {
+    const __m512 e = simd::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + i), t16));
+    _mm512_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 e = simd::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), t));
     _mm256_storeu_ps(p + i, e);
