@@ -30,6 +30,8 @@ measurement in a process of its own). Steps, in order (names for --only / --skip
                          onnxruntime-genai int4 in batches of 8, 128 tokens in and out, one untimed round each
                          then --serve-rounds (3) rounds, and the server's memory after them
                          (bench/serve_vs_genai.py, bench/serve_memory.py)
+    serve-int4-interval8 the same with `engine serve --stream-interval 8` (an SSE chunk every 8 tokens: fewer
+                         socket writes and client wake-ups, which share the 2 cores with the engine)
     engine-api-<variant> the Python API (LLM.generate), timed like transformers' generate: fp32, int8, int4
     coldstart-<variant>  process start -> first generated token through LLM.stream, and `engine run` start to exit
 
@@ -71,6 +73,7 @@ API_VARIANTS = ("fp32", "int8", "int4")
 COLDSTART_VARIANTS = ("fp32", "int8", "int4")
 COLDSTART_TEXT = "What is the capital of France?"
 SERVE = {"genai_batch": 8, "input_len": 128, "output_len": 128}   # the serving goal's shape (issue #7)
+SERVE_STEPS = {"serve-int4": 1, "serve-int4-interval8": 8}        # step -> engine serve's --stream-interval
 class Runner:
     """Runs the steps, recording the load around each and collecting the records."""
 
@@ -288,14 +291,15 @@ def run_all(args: argparse.Namespace) -> dict:
            f"engine-fp32 / bandwidth, {args.rounds} rounds",
            lambda: r.alternating(engine_side("fp32"), ("bandwidth", r.spec(), "read_GBps")))
 
-    r.step("serve-int4", "engine serve vs onnxruntime-genai",
-           f"engine-int4, {args.serve_streams} streams / ortgenai-int4, batch {SERVE['genai_batch']}; "
-           f"{SERVE['input_len']} in, {SERVE['output_len']} out, {args.serve_rounds} rounds",
-           lambda: r.worker("serve", {"threads": args.threads, **SERVE, "streams": args.serve_streams,
-                                      "rounds": args.serve_rounds,
-                                      "engine_dir": str(models.ensure_engine(cache, source, "int4", **build_opts)),
-                                      "model_dir": str(models.ensure_ortgenai(cache, hf_dir, "int4", og))}),
-           missing=no_og or no_hf)
+    for name, interval in SERVE_STEPS.items():
+        r.step(name, "engine serve vs onnxruntime-genai",
+               f"engine-int4 (--stream-interval {interval}), {args.serve_streams} streams / ortgenai-int4, batch "
+               f"{SERVE['genai_batch']}; {SERVE['input_len']} in, {SERVE['output_len']} out, {args.serve_rounds} rounds",
+               lambda i=interval: r.worker("serve", {
+                   "threads": args.threads, **SERVE, "streams": args.serve_streams, "rounds": args.serve_rounds,
+                   "stream_interval": i, "engine_dir": str(models.ensure_engine(cache, source, "int4", **build_opts)),
+                   "model_dir": str(models.ensure_ortgenai(cache, hf_dir, "int4", og))}),
+               missing=no_og or no_hf)
 
     # The engine's secondary measurements come after the peers, so engines and peers run close together in time.
     for variant in API_VARIANTS:

@@ -249,7 +249,7 @@ def measure_serve(spec: dict) -> dict:
     from serve_vs_genai import serve_pair
     return serve_pair(Path(spec["engine_dir"]), Path(spec["model_dir"]), streams=spec["streams"],
                       genai_batch=spec["genai_batch"], input_len=spec["input_len"], output_len=spec["output_len"],
-                      threads=spec["threads"], rounds=spec["rounds"])
+                      threads=spec["threads"], rounds=spec["rounds"], stream_interval=spec.get("stream_interval", 1))
 
 
 def coldstart_child(spec: dict) -> None:

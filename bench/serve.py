@@ -1,7 +1,7 @@
 """Serving benchmark: N concurrent streaming clients against `engine serve` (vLLM's `bench serve`, random dataset).
 
     .venv/bin/python bench/serve.py --engine-dir .cache/engines/smollm2 [--concurrency 8] [--num-prompts 32]
-        [--input-len 128] [--output-len 64] [--repeats 3]
+        [--input-len 128] [--output-len 64] [--repeats 3] [--stream-interval 1]
     .venv/bin/python bench/serve.py --url http://127.0.0.1:8000 --model NAME ...   (a server already running)
 
 Each request is a /v1/completions stream of `input-len` random token ids with ignore_eos and max_tokens
@@ -12,7 +12,9 @@ and, as a baseline in the same script, runs the same prompts through the in-proc
 concurrency (no HTTP), so the table shows what the server costs. Each repeat uses fresh random prompts (the server's
 prefix cache persists across repeats) and runs server then baseline (--no-baseline: server only). Medians over
 --repeats runs. With --engine-dir, the server's memory after the runs is checked against the serving-memory goal
-(RSS <= weights + KV pool + 300 MB; bench/serve_memory.py). Writes bench/results/serve_<name>.json.
+(RSS <= weights + KV pool + 300 MB; bench/serve_memory.py). --stream-interval N is passed to `engine serve` (and
+the baseline's LLM): a chunk every N tokens, so ITL is then the gap between chunks of N tokens. Writes
+bench/results/serve_<name>.json.
 """
 from __future__ import annotations
 
@@ -89,10 +91,10 @@ def summarize(results: list[dict], wall: float) -> dict:
 
 
 def baseline(engine_dir: Path, prompts, output_len: int, concurrency: int, max_kv_tokens: int,
-             threads: int | None) -> dict:
+             threads: int | None, stream_interval: int = 1) -> dict:
     """The same prompts at the same concurrency through the in-process async LLM API: the server minus HTTP."""
     from engine.runtime import LLM, SamplingParams
-    llm = LLM(engine_dir, max_kv_tokens=max_kv_tokens, threads=threads)
+    llm = LLM(engine_dir, max_kv_tokens=max_kv_tokens, threads=threads, stream_interval=stream_interval)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([[100] * 8], SamplingParams(temperature=0, max_tokens=2))      # warm-up, cache-neutral
 
@@ -118,9 +120,11 @@ def baseline(engine_dir: Path, prompts, output_len: int, concurrency: int, max_k
         llm.close()
 
 
-def start_server(engine_dir: Path, max_kv_tokens: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(engine_dir: Path, max_kv_tokens: int, threads: int | None,
+                 stream_interval: int = 1) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--engine-dir", str(engine_dir), "--port", "0",
-           "--served-model-name", "bench", "--max-kv-tokens", str(max_kv_tokens)]
+           "--served-model-name", "bench", "--max-kv-tokens", str(max_kv_tokens),
+           "--stream-interval", str(stream_interval)]
     if threads:
         cmd += ["--threads", str(threads)]
     env = {k: v for k, v in os.environ.items() if k != "ENGINE_API_KEY"}
@@ -152,6 +156,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--stream-interval", type=int, default=1, help="engine serve's --stream-interval (default 1)")
     ap.add_argument("--name", default="smollm2")
     ap.add_argument("--no-baseline", action="store_true", help="skip the in-process API baseline")
     args = ap.parse_args()
@@ -171,13 +176,13 @@ def main() -> None:
     url = args.url
     try:
         if args.engine_dir is not None:
-            proc, url = start_server(args.engine_dir, max_kv, args.threads)
+            proc, url = start_server(args.engine_dir, max_kv, args.threads, args.stream_interval)
         for i, prompts in enumerate(rounds):   # server and baseline interleaved, so drifting load hits both
             runs.append(asyncio.run(run_clients(url, args.model, prompts, args.output_len, args.concurrency)))
             print(f"server run {i}: {runs[-1]['output_tok_s']:.1f} output tok/s", file=sys.stderr)
             if args.engine_dir is not None and not args.no_baseline:
                 base.append(baseline(args.engine_dir, prompts, args.output_len, args.concurrency, max_kv,
-                                     args.threads))
+                                     args.threads, args.stream_interval))
                 print(f"baseline run {i}: {base[-1]['output_tok_s']:.1f} output tok/s", file=sys.stderr)
         if proc is not None:
             from serve_memory import server_memory

@@ -3,7 +3,7 @@ onnxruntime-genai generating a batch of 8, on the same prompts, same lengths, sa
 
     .venv/bin/python bench/serve_vs_genai.py --pair .cache/bench/engines/int4-lmq=.cache/bench/ortgenai-0.18.0/int4 \
         [--pair ENGINE_DIR=GENAI_DIR ...] [--streams 32] [--genai-batch 8] [--input-len 128] [--output-len 128]
-        [--threads 2] [--rounds 3]
+        [--threads 2] [--rounds 3] [--stream-interval 1]
 
 Engine: `engine serve` started by bench/serve.py's start_server, `streams` prompts sent at once as
 /v1/completions streams (greedy, ignore_eos), total output tokens over the wall time of the whole round.
@@ -13,8 +13,9 @@ time of all batches, so both sides produce the same tokens from the same prompts
 equal length (no padding on either side); each round uses fresh ones (the server keeps its prefix cache).
 One untimed round each first, then --rounds rounds; the ratio is the median of the per-round ratios, and the
 server's memory after the last round is checked against the serving-memory goal (bench/serve_memory.py). Writes
-bench/results/serve_vs_genai.json. bench/compare.py runs the same measurement as its serve step, and builds the
-engines and the onnxruntime-genai models under .cache/bench.
+bench/results/serve_vs_genai.json. --stream-interval N starts the server with `engine serve --stream-interval N`
+(an SSE chunk every N tokens instead of every token). bench/compare.py runs the same measurement as its serve
+steps (at 1, the default, and at 8), and builds the engines and the onnxruntime-genai models under .cache/bench.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def engine_round(url: str, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def serve_pair(engine_dir: Path, genai_dir: Path, *, streams: int, genai_batch: int, input_len: int,
-               output_len: int, threads: int, rounds: int, seed: int = 0) -> dict:
+               output_len: int, threads: int, rounds: int, stream_interval: int = 1, seed: int = 0) -> dict:
     """One untimed round on each side (the server's first round maps its KV pool's pages, onnxruntime-genai's
     first batch its buffers), then `rounds` rounds of engine then peer on the same fresh prompts. The ratio is
     the median of the per-round ratios; the server's memory is read after the last round (bench/serve_memory)."""
@@ -73,7 +74,7 @@ def serve_pair(engine_dir: Path, genai_dir: Path, *, streams: int, genai_batch: 
     max_kv = max(streams * (input_len + output_len + 32), cfg.build.max_seq_len)
     prompt_sets = [[rng.integers(100, vocab, input_len).tolist() for _ in range(streams)] for _ in range(rounds + 1)]
     ours, peer = [], []
-    proc, url = start_server(engine_dir, max_kv, threads)
+    proc, url = start_server(engine_dir, max_kv, threads, stream_interval)
     try:
         for i, prompts in enumerate(prompt_sets):    # interleaved, so drifting load hits both
             e = engine_round(url, prompts, output_len)
@@ -89,6 +90,7 @@ def serve_pair(engine_dir: Path, genai_dir: Path, *, streams: int, genai_batch: 
         proc.wait(timeout=60)
     ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, peer)]
     return {"engine": str(engine_dir), "genai": str(genai_dir), "max_kv_tokens": max_kv,
+            "stream_interval": stream_interval,
             "engine_tok_s": statistics.median(r["output_tok_s"] for r in ours),
             "genai_tok_s": statistics.median(r["output_tok_s"] for r in peer),
             "ratios": ratios, "ratio": statistics.median(ratios), "engine_runs": ours, "genai_runs": peer,
@@ -104,15 +106,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (default 3)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="engine serve's --stream-interval (default 1)")
     args = ap.parse_args()
     rows = []
     for pair in args.pair:
         engine_dir, genai_dir = (Path(p) for p in pair.split("=", 1))
         rows.append(serve_pair(engine_dir, genai_dir, streams=args.streams, genai_batch=args.genai_batch,
                                input_len=args.input_len, output_len=args.output_len, threads=args.threads,
-                               rounds=args.rounds))
-    print(f"\n{args.streams} streams through engine serve vs onnxruntime-genai batch {args.genai_batch}; "
-          f"{args.input_len} in / {args.output_len} out, {args.threads} threads, median of {args.rounds} rounds:")
+                               rounds=args.rounds, stream_interval=args.stream_interval))
+    print(f"\n{args.streams} streams through engine serve (--stream-interval {args.stream_interval}) vs "
+          f"onnxruntime-genai batch {args.genai_batch}; {args.input_len} in / {args.output_len} out, {args.threads} "
+          f"threads, median of {args.rounds} rounds:")
     print("| engine | onnxruntime-genai | engine tok/s | genai tok/s | ratio (goal >= 3x) | server peak RSS / "
           "budget MB |\n|---|---|---|---|---|---|")
     for r in rows:

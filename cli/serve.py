@@ -50,6 +50,9 @@ def serve_command(
                                            "kept for its client after it finished (default 600)."),
     max_body_bytes: int = typer.Option(4 * 2**20, "--max-body-bytes", help="Largest request body accepted; "
                                        "larger ones are answered 413 (bytes, default 4194304 = 4 MiB)."),
+    stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed chunk after the first: "
+                                        "1 (default) sends every token; N sends every N-th, the chunk holding the "
+                                        "N tokens since the last (fewer SSE writes with many streams)."),
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
     max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
     threads: Optional[int] = options.THREADS,
@@ -58,10 +61,12 @@ def serve_command(
 ):
     """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""
     from engine.runtime import LLM
+    from engine.runtime.engine_core import check_stream_interval
     from engine.runtime.server import ServerConfig, create_app, run_server
 
     if not 0 <= port <= 65535:
         raise EngineError(f"--port {port} must be in [0, 65535]", usage=True)
+    check_stream_interval(stream_interval)
     if threads is not None and threads < 1:
         raise EngineError(f"--threads {threads} must be >= 1", usage=True)
     if log_level not in ("debug", "info", "warning", "error"):
@@ -82,7 +87,8 @@ def serve_command(
 
     def load():
         llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
-                  threads=threads, scheduling_policy=scheduling_policy, distributed=distributed)
+                  threads=threads, scheduling_policy=scheduling_policy, stream_interval=stream_interval,
+                  distributed=distributed)
         rank_failure.attach(llm)
         return llm
 

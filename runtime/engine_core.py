@@ -2,6 +2,11 @@
 
 Single-threaded by design; llm.py drives it either inline (sync generate) or from one background thread (async
 streaming). It owns the requests in flight; it does not tokenize prompts (llm.py does) nor size the pool.
+
+`stream_interval` N (SGLang's and TensorRT-LLM's `stream_interval`, vLLM's `--stream-interval`): a request's
+first token, its finish and then every N-th token make an output, whose delta holds the tokens since the last one.
+N = 1 (the default) reports every token; a larger N trades inter-token smoothness for less per-output work (the
+server's SSE chunk and socket write, the reader's wake-up), which matters with many streams on few cores.
 """
 from __future__ import annotations
 
@@ -24,6 +29,11 @@ from .step_inputs import SeqChunk
 from .tokenizer import Tokenizer
 
 
+def check_stream_interval(n: int) -> None:
+    if n < 1:
+        raise EngineError(f"--stream-interval {n} must be >= 1 (1 reports every token)", usage=True)
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -44,8 +54,10 @@ class StepStats:
 
 class EngineCore:
     def __init__(self, session, tokenizer: Tokenizer, eos_token_ids: Seq[int], *, scheduler: SchedulerConfig,
-                 tokens_per_block: int, vocab_size: int, enable_prefix_caching: bool = True):
+                 tokens_per_block: int, vocab_size: int, enable_prefix_caching: bool = True,
+                 stream_interval: int = 1):
         self.session = session
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
@@ -124,8 +136,15 @@ class EngineCore:
             if req.logprobs is not None:
                 req.logprobs.append(lp)
             self._check_stop(req, int(tok))
-            outputs.append(self._output(req))
+            if self._due(req):
+                outputs.append(self._output(req))
         return outputs
+
+    def _due(self, req: _Request) -> bool:
+        """Whether this step reports the request: its first token, its finish, or stream_interval new tokens."""
+        seq = req.seq
+        return (seq.is_finished or req.emitted_tokens == 0
+                or seq.num_output_tokens - req.emitted_tokens >= self.stream_interval)
 
     def _banned(self, seq: Sequence) -> list[int]:
         if seq.num_output_tokens >= seq.params.min_tokens:

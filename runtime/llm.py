@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence as Seq, Union
 
 from engine.core.errors import EngineError
 
-from .engine_core import EngineCore
+from .engine_core import EngineCore, check_stream_interval
 from .engine_dir import load_engine_config
 from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
 from .loop_sink import LoopSink, dispatch
@@ -64,14 +64,16 @@ class LLM:
     prompt prefixes. `max_prefill_chunk_with_decodes` caps a prefill chunk in a step that also runs decodes
     (None: no cap), so that a long prompt does not slow every decode of its steps (bench/scheduler.py measures
     the trade-off). `max_num_tokens` / `max_batch_size`: the per-step token budget and sequence count, at most
-    (and by default) the engine's build limits."""
+    (and by default) the engine's build limits. `stream_interval` N: a request reports its first token, then every
+    N-th and its finish, each output's delta holding the tokens since the last (engine_core.py; default 1)."""
 
     def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
                  max_kv_tokens: int | None = None, threads: int | None = None,
                  kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs",
                  max_prefill_chunk_with_decodes: int | None = DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES,
-                 max_num_tokens: int | None = None, max_batch_size: int | None = None, distributed=None):
+                 max_num_tokens: int | None = None, max_batch_size: int | None = None, stream_interval: int = 1,
+                 distributed=None):
         from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
         self.engine_dir = Path(engine_dir)
         self.config = load_engine_config(self.engine_dir)
@@ -81,6 +83,7 @@ class LLM:
             if value is not None and not 1 <= value <= limit:
                 raise EngineError(f"--{name} {value} is outside [1, {limit}]: the engine was built for at most "
                                   f"{limit}; give a value in range, or rebuild with a larger --{name}", usage=True)
+        check_stream_interval(stream_interval)
         scheduler = SchedulerConfig(max_batch_size=max_batch_size or b.max_batch_size,
                                     max_num_tokens=max_num_tokens or b.max_num_tokens,
                                     policy=scheduling_policy,
@@ -110,7 +113,7 @@ class LLM:
         self.eos_token_ids = tuple(eos)
         self.core = EngineCore(self.session, self.tokenizer, self.eos_token_ids, scheduler=scheduler,
                                tokens_per_block=b.tokens_per_block, vocab_size=self.config.model.vocab_size,
-                               enable_prefix_caching=enable_prefix_caching)
+                               enable_prefix_caching=enable_prefix_caching, stream_interval=stream_interval)
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []

@@ -98,11 +98,11 @@ def test_alternating_rounds_decide_the_decode_goals():
     assert "median 1.40x" in report.markdown(res)   # the rounds are no row of the throughput table
 
 
-def serve_record(engine_tok_s, genai_tok_s, peak_mb, budget_mb):
+def serve_record(engine_tok_s, genai_tok_s, peak_mb, budget_mb, name="serve-int4"):
     run = {"ttft_p50_ms": 900.0, "ttft_p99_ms": 1200.0, "tpot_p50_ms": 40.0, "tpot_p99_ms": 45.0,
            "itl_p50_ms": 39.0, "itl_p99_ms": 60.0}
     ratios = [a / b for a, b in zip(engine_tok_s, genai_tok_s)]
-    return {"name": "serve-int4", "system": "engine serve vs onnxruntime-genai", "variant": "engine-int4, 32 streams",
+    return {"name": name, "system": "engine serve vs onnxruntime-genai", "variant": "engine-int4, 32 streams",
             "status": "ok", "engine_runs": [{"output_tok_s": x, **run} for x in engine_tok_s],
             "genai_runs": [{"output_tok_s": x} for x in genai_tok_s], "ratios": ratios,
             "ratio": sorted(ratios)[len(ratios) // 2], "load_before": 0, "load_after": 0,
@@ -130,3 +130,21 @@ def test_serving_goals_from_the_serve_step():
     text = report.markdown(res)
     assert "## Serving" in text and "| 1 | 500.0 | 900 / 1200 | 40.0 / 45.0 | 39.0 / 60.0 | 200.0 | 2.50 |" in text
     assert "| serve-int4 |" not in text        # no row of the batch-1 throughput table
+
+
+def test_the_stream_interval_row_is_its_own_and_the_default_stays_the_goal():
+    """serve-int4-interval8 (engine serve --stream-interval 8) adds a row of its own: the default server's row
+    keeps its figure and result, and each step gets its own table in the Serving section."""
+    serve = "32 concurrent streams through engine serve (engine int4) vs onnxruntime-genai int4 at batch 8, output tok/s"
+    interval8 = serve + ", engine serve --stream-interval 8 (an SSE chunk every 8 tokens)"
+    res = result([serve_record([580.0], [200.0], peak_mb=450.0, budget_mb=520.0),
+                  serve_record([640.0], [200.0], peak_mb=455.0, budget_mb=520.0, name="serve-int4-interval8")])
+    goals = {g["goal"]: g for g in report.goals(res)}
+    assert (goals[serve]["result"], goals[serve]["value"]) == ("miss", 2.9)
+    assert (goals[interval8]["result"], goals[interval8]["value"]) == ("pass", 3.2)
+    assert goals["serving memory: engine serve's peak RSS after those streams"]["measured"].startswith("450.0 MB")
+    res["goals"] = report.goals(res)
+    text = report.markdown(res)
+    assert "### serve-int4\n" in text and "### serve-int4-interval8\n" in text
+    assert "| 1 | 640.0 | 900 / 1200 | 40.0 / 45.0 | 39.0 / 60.0 | 200.0 | 3.20 |" in text
+    assert "| serve-int4-interval8 |" not in text

@@ -167,6 +167,36 @@ def test_async_streaming_and_abort(llm):
     llm.check_all_free()
 
 
+def test_stream_interval_reports_every_nth_token_and_the_same_text(llm, tiny_engine):
+    """stream_interval 3: a request's outputs are its first token, then every 3rd, then its finish (the rest);
+    the deltas join to the same text and tokens as one output per token, sync and async."""
+    ps = prompts((7, 19, 4), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = {i: o for i, o in enumerate(llm.generate(ps, params))}
+    with pytest.raises(EngineError, match="--stream-interval 0 must be >= 1"):
+        LLM(tiny_engine[1], max_kv_tokens=8 * 64, stream_interval=0)
+    chunky = LLM(tiny_engine[1], max_kv_tokens=8 * 64, stream_interval=3)
+    try:
+        ids: list = []
+        outs = list(chunky.stream(ps, params, request_ids=ids))
+        for i, rid in enumerate(ids):
+            mine = [o for o in outs if o.request_id == rid]
+            assert [len(o.delta_token_ids) for o in mine] == [1, 3, 3, 3, 2]      # 12 tokens: 1 + 3 + 3 + 3 + 2
+            assert [o.finished for o in mine] == [False] * 4 + [True]
+            assert sum((o.delta_token_ids for o in mine), []) == mine[-1].token_ids == want[i].token_ids
+            assert "".join(o.delta_text for o in mine) == mine[-1].text == want[i].text
+
+        async def deltas(p):
+            return [len(o.delta_token_ids) async for o in chunky.generate_async(p, params)]
+
+        async def main():
+            return await asyncio.gather(*(deltas(p) for p in ps))
+        assert asyncio.run(main()) == [[1, 3, 3, 3, 2]] * len(ps)
+        chunky.check_all_free()
+    finally:
+        chunky.close()
+
+
 def test_async_requests_from_event_loops_in_two_threads(llm):
     """A step's outputs go to each event loop in one hand-over (runtime/loop_sink.py): requests from loops in
     two threads, batched in the same steps, each get their own outputs, every delta in order."""

@@ -81,6 +81,9 @@ def test_cli_refuses_bad_flags(server_engine):
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--engine-dir", str(server_engine),
                         "--scheduling-policy", "lottery"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "lottery" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--engine-dir", str(server_engine),
+                        "--stream-interval", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--stream-interval 0 must be >= 1" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server_engine):

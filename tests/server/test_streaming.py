@@ -6,7 +6,8 @@ import threading
 import httpx
 import openai
 
-from tests.server.conftest import MODEL, slow_steps, sse_events
+from engine.runtime import LLM
+from tests.server.conftest import MODEL, RunningServer, slow_steps, sse_events
 
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
 
@@ -124,3 +125,23 @@ def test_mid_stream_engine_failure_is_sent_in_band(server, client):
     server.wait_all_free()
     ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_stream_interval_sends_chunks_of_n_tokens_with_the_same_text(server_engine, client):
+    """engine serve --stream-interval 4: a completion of 10 tokens streams as chunks of 1, 4, 4 and 1 tokens
+    (the first at once, the last with finish_reason), their text and logprob tokens those of the default server."""
+    body = {"prompt": "once upon", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    want = stream(client, "/v1/completions", body)
+    s = RunningServer(server_engine, load=lambda: LLM(server_engine, max_kv_tokens=8 * 256, stream_interval=4))
+    try:
+        s.wait_ready()
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            got = stream(c, "/v1/completions", body)
+    finally:
+        s.stop()
+    chunks, reference = [e["choices"][0] for e in got[:-1]], [e["choices"][0] for e in want[:-1]]
+    assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1, 4, 4, 1] and len(reference) == 10
+    assert [c["finish_reason"] for c in chunks] == [None, None, None, "length"]
+    assert "".join(c["text"] for c in chunks) == "".join(c["text"] for c in reference)
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == \
+        [t for c in reference for t in c["logprobs"]["tokens"]]
