@@ -13,8 +13,8 @@ Goals (issue #7), each a ratio or a bound with pass / miss:
                  rounds too: each round's decode over the bandwidth measured next to it)
     serving      32 concurrent streams through `engine serve` (engine int4) >= 3x onnxruntime-genai int4 at batch 8
                  in output tokens/s (the median of per-round ratios), and the server's peak RSS after them
-                 <= engine weights + KV pool + 300 MB; a second throughput row for the same streams with
-                 `engine serve --stream-interval 8` when that step ran
+                 <= engine weights + KV pool + 300 MB; a throughput row of its own for the same streams at each
+                 other `engine serve --stream-interval` that ran (compare.py: 8)
     cold start   process start -> first generated token <= 1 s (the slowest engine variant measured)
     build        engine convert + engine build --dtype int8_wo <= 60 s
 """
@@ -156,8 +156,8 @@ def goals(result: dict) -> list[dict]:
 
 
 def serve_goals(result: dict) -> list[dict]:
-    """The serving throughput goal from the serve-int4 step (engine serve's defaults), the same at
-    --stream-interval 8 (serve-int4-interval8) when measured, and the memory goal from serve-int4."""
+    """The serving throughput goal from the serve-int4 step (engine serve's defaults), a row of its own for each
+    other --stream-interval measured (serve-int4-intervalN), and the memory goal from serve-int4."""
     rec = ok(result, "serve-int4")
     s = result["settings"]
     goal = (f"{s.get('serve_streams', 32)} concurrent streams through engine serve (engine int4) vs onnxruntime-genai "
@@ -167,8 +167,11 @@ def serve_goals(result: dict) -> list[dict]:
         return [_goal(goal, ">= 3x", "serve-int4 not measured", None, None),
                 _goal(memory_goal, "<= weights + KV pool + 300 MB", "serve-int4 not measured", None, None)]
     out = [_serve_ratio(goal, rec)]
-    if (rec8 := ok(result, "serve-int4-interval8")) is not None:
-        out.append(_serve_ratio(goal + ", engine serve --stream-interval 8 (an SSE chunk every 8 tokens)", rec8))
+    for other in serve_records(result)[1:]:
+        if other.get("status") == "ok":
+            n = other["stream_interval"]
+            out.append(_serve_ratio(f"{goal}, engine serve --stream-interval {n} (an SSE chunk every {n} tokens)",
+                                    other))
     m = rec["server_memory"]
     mem = (f"{m['peak_rss_MB']} MB = weights {m['weights_MB']} + KV touched {m['kv_touched_MB']} (pool "
            f"{m['kv_pool_MB']}) + overhead {m['overhead_MB']} MB; budget {m['budget_MB']} MB")
@@ -182,8 +185,15 @@ def _serve_ratio(goal: str, rec: dict) -> dict:
     return _goal(goal, ">= 3x", measured, rec["ratio"], rec["ratio"] >= 3, rec)
 
 
+def serve_records(result: dict) -> list[dict]:
+    """serve-int4 (engine serve's defaults) first, then the steps of other --stream-interval values (compare.py's
+    SERVE_STEPS; each record carries its `stream_interval`)."""
+    return sorted((r for r in result["records"] if r["name"].startswith("serve-int4")),
+                  key=lambda r: r["name"] != "serve-int4")
+
+
 def serve_section(result: dict) -> list[str]:
-    recs = [r for r in result["records"] if r["name"].startswith("serve-int4")]
+    recs = serve_records(result)
     if not recs:
         return []
     out = ["## Serving", "", f"`{recs[0]['variant']}`: every prompt random token ids, /v1/completions streams "
@@ -191,8 +201,8 @@ def serve_section(result: dict) -> list[str]:
            "prompts in batches (one Generator a batch); output tokens over the wall time of each round, one untimed "
            "round each first (bench/serve_vs_genai.py). The server's memory is read after the last round "
            "(bench/serve_memory.py: KV pool and touched from its /metrics). `serve-int4` runs the server's defaults "
-           "(an SSE chunk per token); `serve-int4-interval8` runs it with `--stream-interval 8`, where ITL is the gap "
-           "between chunks of 8 tokens.", ""]
+           "(an SSE chunk per token); a `serve-int4-intervalN` step runs it with `--stream-interval N`, where ITL is "
+           "the gap between chunks of N tokens.", ""]
     for rec in recs:
         out += [f"### {rec['name']}", ""]
         if rec.get("status") != "ok":
