@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine.runtime import LLM
-from engine.runtime.server import ServerConfig, create_app
+from engine.runtime.server import ServerConfig, create_app, uvicorn_config
 from tests.runtime.tiny_engine import build_tiny_engine
 
 SERVER_BUILD = dict(max_batch_size=8, max_input_len=64, max_seq_len=256, max_num_tokens=64, tokens_per_block=8)
@@ -33,8 +33,8 @@ class RunningServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
-                                                    timeout_graceful_shutdown=self.config.shutdown_timeout))
+        self.server = uvicorn.Server(uvicorn_config(self.app, log_level="warning",
+                                                   timeout_graceful_shutdown=self.config.shutdown_timeout))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
