@@ -192,8 +192,17 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
                k / p.group, block_bytes, tiles, 0, 0, p.offsets, p.swiglu && !staged};
-  // A lone row is spread over ~8 items of tiles; many rows take whole row chunks of up to 4 tiles.
+  // A lone row is spread over ~8 items of tiles. Many rows take whole row chunks of up to 4 tiles, fewer where that
+  // would cut the call into under kShareItems items (the AMX tiles keep 4): two threads sharing 9 items run 5 and 4,
+  // and a 32-decode step's o_proj, down and q|k|v projections had 9, 9 and 15 (bench/NOTES.md entry 48). The SwiGLU
+  // items keep whole blocks of the next projection, which they quantize.
+  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk, g = quantized.after ? quantized.after->group : 0;
   job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / 8, 1, 4) : 4;
+  const int64_t least = job.swiglu && g >= kLanes && g % kLanes == 0 ? std::min<int64_t>(4, g / kLanes) : 1;
+  if (tokens > 1 && !amx_rows(tokens))
+    while (job.tile_chunk / 2 >= least &&
+           row_chunks * ((job.item_tiles() + job.tile_chunk - 1) / job.tile_chunk) < kShareItems)
+      job.tile_chunk /= 2;
   job.tile_items = (job.item_tiles() + job.tile_chunk - 1) / job.tile_chunk;
   if (bf16) {
     size_bf16_rows(job);
@@ -207,7 +216,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
   }
   // The SwiGLU tiles quantize their output for the next projection when their items' columns are its whole blocks
-  const int64_t width = p.n / 2, g = quantized.after ? quantized.after->group : 0;
+  const int64_t width = p.n / 2;
   if (quantized.next && quantized.after && job.swiglu && width % g == 0 && job.tile_chunk * kLanes % g == 0) {
     sized_for(*quantized.next, tokens, width, g);
     job.next = quantized.next;
@@ -218,7 +227,6 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     size_packed_rows(job);
     parallel_for(api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
   }
-  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
   parallel_for(api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
   if (!staged) return job.next != nullptr;
   SwigluRows rows{projection.data(), out, p.n / 2};

@@ -32,6 +32,7 @@ constexpr int64_t kLanes = 16;     // columns per tile
 constexpr int64_t kSub = 32;       // K values per sub-block
 constexpr int64_t kHeader = 64;    // bytes of a block's scales
 constexpr int64_t kRowChunk = 64;  // rows per work item (their A tiles stay in L1 on AMX)
+constexpr int64_t kShareItems = 32;  // the fewest items a call of many rows is cut into, where tiles allow
 // rows sharing each unpacked weight register: 10 in AVX-512's 32 registers (one dot-product chain each; 8 rows of
 // two chains ran 1.5-6% slower on a Zen 5, bench/NOTES.md entry 44), 4 in AVX2's 16
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
