@@ -355,8 +355,8 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
 def uvicorn_config(app: FastAPI, **kwargs):
     """uvicorn.Config for `app` on httptools' HTTP parser and uvloop's event loop, as vLLM serves; the serve extra
     installs both. Every streamed token is an SSE chunk through the event loop, and on two cores that loop shares
-    the CPUs with the engine: 32 streams ran ~9% more tokens/s than on uvicorn's pure-Python h11 and asyncio's
-    loop (bench/NOTES.md entry 48). Without them the server warns and runs on those."""
+    the CPUs with the engine: 32 streams ran 4-9% more tokens/s than on uvicorn's pure-Python h11 and asyncio's
+    loop, httptools most of it (bench/NOTES.md entry 48). Without them the server warns and runs on those."""
     import uvicorn
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
