@@ -14,10 +14,12 @@ One decoder layer i (names follow onnxruntime-genai: /model/layers.{i}/attn/qkv_
                gated_mlp(gate_up, down) ─▶ [AllReduce tp>1] ─▶ [mlp_post_norm] ─▶ pending (added by the next norm)
 
 With the engine's kernels (--engine-kernels-plugin) and no q/k norm, everything from the Split to paged_attention
-is one RotaryPagedAttention node (plugins/attention.rotary_paged_attention), whatever the KV dtype. With quantized
-projections run as the engine's QuantMatMul, a layer is three nodes: qkv_proj inside the attention node
-(QuantRotaryPagedAttention*), o_proj with the add and norm after it (QuantMatMulAddRMSNorm), the MLP with the next
-layer's add and norm (QuantMLPAddRMSNorm): plugins/attention.py, plugins/rms_norm.py, plugins/gated_mlp.py.
+is one RotaryPagedAttention node (plugins/attention.rotary_paged_attention), whatever the KV dtype. With the
+projections run as the engine's QuantMatMul (quantized, or float32 as its float32 tiles: plugins/linear.py), a layer
+is three nodes: qkv_proj inside the attention node (QuantRotaryPagedAttention*), o_proj with the add and norm after it
+(QuantMatMulAddRMSNorm), the MLP with the next layer's add and norm (QuantMLPAddRMSNorm): plugins/attention.py,
+plugins/rms_norm.py, plugins/gated_mlp.py. A float32 tied lm_head is then QuantMatMul's float32 tiles too, which the
+embedding's QuantGather reads (stored once).
 
 Before layer 0 `hidden` is the embedding (times embedding_multiplier) and nothing is pending; after the last
 layer the rows named by logits_indices are gathered first, so the final add_rms_norm and the lm_head run only
@@ -65,6 +67,7 @@ from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
+from engine.plugins import quant_matmul
 from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
 from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp, quant_mlp
@@ -321,6 +324,11 @@ class _Builder:
         # stores at the head's precision, as a table of its own (the same rows tp=1's shared table holds)
         own_table = m.tie_word_embeddings and not tied
         embedding = self.take("vocab_embedding.weight")
+        # a float32 tied lm_head as QuantMatMul's float32 tiles (plugins/linear.float_matmul), which the embedding's
+        # QuantGather reads too
+        float_tiles = tied and not self.head_quantized and not self.bf16_head and \
+            quant_matmul.float_runs(embedding.shape[0], kernel=self.p.engine_kernels_plugin)
+        table_shape = embedding.shape
         shared_table = shared_calibrated = None
         if self.calibrated and self.q.quantize_lm_head and m.tie_word_embeddings and self.q.mode in SHARED_TABLE:
             # the embedding reads the quantized lm_head's table (stored once); the float embedding is dropped
@@ -338,6 +346,9 @@ class _Builder:
         elif (tied or own_table) and self.bf16_head:   # lm_head's bfloat16 table (at tp 1 stored once for both)
             hidden = bf16_gather(g, embedding, ec.INPUT_IDS, name="/model/embed_tokens",
                                  weight_name="vocab_embedding.weight")
+        elif float_tiles:   # lm_head's float32 tiles, stored once for both
+            tiles = g.weight("vocab_embedding.weight", quant_matmul.pack_float(embedding))
+            hidden = quant_matmul.float_gather(g.scope("/model/embed_tokens"), tiles, ec.INPUT_IDS, embedding.shape[1])
         else:
             hidden = g.node("Gather", [g.weight("vocab_embedding.weight", embedding), ec.INPUT_IDS],
                             name="/model/embed_tokens/Gather", axis=0)
@@ -364,6 +375,8 @@ class _Builder:
         elif tied and self.bf16_head:
             logits = bf16_linear(g, normed, None, name="/lm_head", weight_name="vocab_embedding.weight",
                                  n=m.vocab_size)
+        elif float_tiles:
+            logits = quant_matmul.float_matmul(g.scope("/lm_head"), normed, "vocab_embedding.weight", *table_shape)
         elif tied:
             # Gemm reads the embedding [V, H] transposed in place: the tied weight is stored once, not twice.
             logits = g.node("Gemm", [normed, "vocab_embedding.weight"], name="/lm_head/Gemm", transB=1)

@@ -13,7 +13,8 @@ and the down projection's then become one QuantMLP node (quant_mlp: one ORT disp
 
 Initializers (weight_name is the MLP's prefix, e.g. "layers.0.mlp"): plugin: "{weight_name}.gate_up.weight"
 [H, 2I]; reference: "{weight_name}.gate.weight", "{weight_name}.up.weight"; both "{weight_name}.down.weight".
-All hold the torch weights transposed at build time.
+All hold the torch weights transposed at build time, or, with `kernel` where the CPU runs them, as QuantMatMul's
+float32 tiles (plugins/linear.float_matmul): then the SiLU MLP is one QuantMLP node, as a quantized one is.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.config import ACTIVATIONS
 from engine.core.errors import EngineError
 from engine.plugins import quant_matmul
+from engine.plugins.linear import float_matmul
 
 
 def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activation: str, *, name: str,
@@ -39,14 +41,16 @@ def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activatio
     inter = gate_up.shape[0] // 2
     gate_up = np.asarray(gate_up, dtype=np.float32)
     op = g.scope(name)
+
+    def project(x: str, w: np.ndarray, what: str) -> str:
+        return float_matmul(g, op, x, w, f"{weight_name}.{what}.weight", kernel=kernel)
+
     if plugin:
-        fused = op("MatMul", [x, g.weight(f"{weight_name}.gate_up.weight", gate_up.T)])
-        hidden = gate_times_up(g, op, fused, inter, activation, kernel=kernel)
+        hidden = gate_times_up(g, op, project(x, gate_up, "gate_up"), inter, activation, kernel=kernel)
     else:
-        gate = op("MatMul", [x, g.weight(f"{weight_name}.gate.weight", gate_up[:inter].T)])
-        up = op("MatMul", [x, g.weight(f"{weight_name}.up.weight", gate_up[inter:].T)])
+        gate, up = project(x, gate_up[:inter], "gate"), project(x, gate_up[inter:], "up")
         hidden = op("Mul", [activate(g, op, gate, activation, plugin), up])
-    return op("MatMul", [hidden, g.weight(f"{weight_name}.down.weight", np.asarray(down, dtype=np.float32).T)])
+    return quant_mlp(g, project(hidden, np.asarray(down, dtype=np.float32), "down"), name=f"{name}/QuantMLP")
 
 
 def gate_times_up(g: Graph, op: Scope, fused: str, inter: int, activation: str, *, kernel: bool) -> str:

@@ -6,6 +6,11 @@ it builds; the caller names the initializers by their canonical tensor names.
 
     x [T, in] ──MatMul(W^T [in, out])──▶ [T, out] ──Add(bias [out])──▶ y     (Add only with a bias)
 
+With the engine's kernels (`kernel`) on a CPU with their vector code, the float32 weight is stored as QuantMatMul's
+float32 tiles instead (bits=32, plugins/quant_matmul.pack_float), one stream a projection at the memory's rate:
+
+    x [T, in] ──engine QuantMatMul(tiles uint8 [out/16, 1, in * 64], bits=32)──▶ [T, out] ──▶ (+bias) y
+
 Quantized (`scheme` given; quantization/weight_only.py quantizes, scales stored next to their weight as
 "{stem}.weights_scaling_factor", TensorRT-LLM's name):
 
@@ -40,7 +45,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from engine.builder.graph import ENGINE_DOMAIN, MS_DOMAIN, Graph
+from engine.builder.graph import ENGINE_DOMAIN, MS_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
 from engine.plugins import quant_matmul
 from engine.quantization.weight_only import QuantizedWeight, WeightOnlyScheme, quantize, signed_values
@@ -78,8 +83,16 @@ def linear(g: Graph, x: str, weight: np.ndarray, bias: np.ndarray | None, *, nam
         return quantized_linear(g, x, q, bias, name=name, weight_name=weight_name, bias_name=bias_name,
                                 accuracy_level=scheme.accuracy_level, plugin=plugin, kernel=kernel)
     op = g.scope(name)
-    y = op("MatMul", [x, g.weight(weight_name, np.asarray(weight, dtype=np.float32).T)])
+    y = float_matmul(g, op, x, weight, weight_name, kernel=kernel)
     return _add_bias(g, op, y, bias, bias_name or bias_name_for(weight_name))
+
+
+def float_matmul(g: Graph, op: Scope, x: str, weight: np.ndarray, weight_name: str, *, kernel: bool) -> str:
+    """x @ weight^T for a float32 weight [N, K]: the engine's QuantMatMul over float32 tiles where `kernel` and the
+    CPU run them (plugins/quant_matmul.float_runs), else MatMul of the transposed weight."""
+    if quant_matmul.float_runs(weight.shape[0], kernel=kernel):
+        return quant_matmul.float_matmul(op, x, g.weight(weight_name, quant_matmul.pack_float(weight)), *weight.shape)
+    return op("MatMul", [x, g.weight(weight_name, np.asarray(weight, dtype=np.float32).T)])
 
 
 def quantized_linear(g: Graph, x: str, q: QuantizedWeight, bias: np.ndarray | None, *, name: str,

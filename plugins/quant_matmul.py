@@ -9,6 +9,9 @@ kept Q4_1 block's offsets in the same pass: every block of a column holds d * q 
     m = offsets - zero_point * d   (kept blocks: their offsets are the block's value at q = zero_point; stored as
                                     the float16 it is, GGUF's Q4_1 m, beside the float16 d)
 
+`pack_float` lays out a float32 weight for the same op (bits=32: a float32 engine's projections), each tile's K x 16
+values in order, which the kernel reads as one stream (kernels/float_tiles.h).
+
 `pack` lays out 16 columns (a tile) by one block: a 64-byte header of scales, then 256 (4-bit) or 512 (8-bit)
 bytes per 32 K values, in the order vpdpbusd reads them (the kernel's header draws it). Each tile's blocks follow
 one another, so a tile is one stream of bytes. It runs once, at build time.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph
+from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.plugins import native
 from engine.quantization.weight_only import QuantizedWeight, dequantize, unpack
 
@@ -25,6 +28,7 @@ BF16_ROWS = 64   # calls of this many rows or more take the bfloat16 tiles where
 LANES = 16  # columns per tile
 SUB = 32    # K values per sub-block
 HEADER = 64  # bytes of scales per tile and block
+FLOAT_BITS = 32  # QuantMatMul's bits for float32 tiles (kernels/float_tiles.h)
 
 
 def supported(group_size: int, accuracy_level: int) -> bool:
@@ -55,6 +59,43 @@ def foldable(g: Graph, value: str, readers: int, *, ops: tuple[str, ...] = ("Qua
     if sum(value in n.input for n in g.nodes) != readers or any(o.name == value for o in g.outputs):
         return None
     return node
+
+
+def float_runs(out_features: int, *, kernel: bool) -> bool:
+    """Whether a float32 projection of `out_features` columns runs as QuantMatMul's float32 tiles (bits=32,
+    kernels/float_tiles.h) in a build with the engine's kernels (--engine-kernels-plugin): where the CPU has the
+    vector code they are written for (AVX-512, or AVX2 with FMA; plain loops would lose to MLAS) and the columns are
+    whole tiles, so the engine stores exactly the float32 weight (the memory plan counts it so)."""
+    return kernel and out_features % LANES == 0 and native.has_int8_dot()
+
+
+def pack_float(weight: np.ndarray) -> np.ndarray:
+    """The float32 tiles uint8 [N/16, 1, K * 64] of a weight [N, K]: tile i holds columns 16 i .. 16 i + 15 as K rows
+    of 16 values, one block of group_size K (kernels/quant_matmul.cc); zero columns fill the last tile."""
+    n, k = weight.shape
+    tiles = -(-n // LANES)
+    values = _padded(np.asarray(weight, dtype=np.float32), tiles).reshape(tiles, LANES, k).transpose(0, 2, 1)
+    return np.ascontiguousarray(values).view(np.uint8).reshape(tiles, 1, k * LANES * 4)
+
+
+def unpack_float(tiles: np.ndarray, n: int) -> np.ndarray:
+    """What pack_float stored: the weight float32 [N, K]."""
+    count, _, row_bytes = tiles.shape
+    k = row_bytes // (LANES * 4)
+    values = np.ascontiguousarray(tiles).view(np.float32).reshape(count, k, LANES)
+    return values.transpose(0, 2, 1).reshape(count * LANES, k)[:n]
+
+
+def float_matmul(op: Scope, x: str, tiles: str, n: int, k: int) -> str:
+    """x [T, K] @ W^T for a float32 weight [N, K] placed as its float32 tiles (pack_float) in initializer `tiles`:
+    the engine's QuantMatMul with bits=32."""
+    return op("QuantMatMul", [x, tiles], domain=ENGINE_DOMAIN, N=n, bits=FLOAT_BITS, group_size=k, offsets=0)
+
+
+def float_gather(op: Scope, tiles: str, indices: str, hidden: int) -> str:
+    """Rows `indices` [T] of a float32 table [V, H] placed as its float32 tiles in initializer `tiles`, by the
+    engine's QuantGather: a tied embedding reading the lm_head's tiles, stored once."""
+    return op("QuantGather", [tiles, indices], domain=ENGINE_DOMAIN, bits=FLOAT_BITS, group_size=hidden, offsets=0)
 
 
 def has_bf16_tiles() -> bool:

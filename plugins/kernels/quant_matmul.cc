@@ -19,6 +19,11 @@
 // SwiGLU op's math, swiglu.h), which the bfloat16 and the vector tiles write without storing y (AMX int8 tiles stage
 // it). N is padded to whole tiles with zero columns.
 //
+// bits=32: the weights are float32 (a float32 engine's projections, plugins/quant_matmul.py pack_float), a tile's
+// K x 16 values in order with no header, and out = x @ W^T in float32 on the vector code (float_tiles.h) for any
+// number of rows: weights uint8 [N/16, K/group, group * 64] (the builder gives group_size = K: one block a tile),
+// offsets=0. Every fused form below takes them as it takes the quantized ones.
+//
 // QuantMatMulAddRMSNorm: QuantMatMul followed by AddRMSNorm (add_rms_norm.cc) of its output in one node, for a
 // projection whose only reader is the residual add and norm after it (plugins/rms_norm.py: o_proj and down_proj of
 // a layer). Inputs 0-1 as QuantMatMul's, 2 residual float [T, N], 3 weight float [N]; out 0 the norm, out 1 the
@@ -45,6 +50,7 @@
 
 #include "add_rms_norm.h"
 #include "ort_abi.h"
+#include "float_tiles.h"
 #include "quant_bf16.h"
 #include "quant_project.h"
 #include "swiglu.h"
@@ -164,7 +170,7 @@ void matmul_item(void* opaque, size_t i) {
   const int64_t first = static_cast<int64_t>(i) % j.tile_items * j.tile_chunk;
   const int64_t last = std::min(j.item_tiles(), first + j.tile_chunk);
   if (j.swiglu) return swiglu_tiles(j, t0, t1, first, last);
-  if (amx_tiles(j, t0, t1, first, last)) return;
+  if (j.bits != kFloatBits && amx_tiles(j, t0, t1, first, last)) return;
   for (int64_t tl = first; tl < last; ++tl) tile(j, tl, t0, t1, std::min(kLanes, j.n - tl * kLanes), job_out(j, tl));
 }
 
@@ -172,34 +178,37 @@ void matmul_item(void* opaque, size_t i) {
 
 void check_weights(const Projection& p, int64_t k, const Tensor& w, const char* op) {
   require(k % p.group == 0, op, "K must be a multiple of group_size");
-  const int64_t tiles = (p.n + kLanes - 1) / kLanes, block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
-  require(w.shape == std::vector<int64_t>{tiles, k / p.group, block_bytes}, op,
-          "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
+  const int64_t tiles = (p.n + kLanes - 1) / kLanes;
+  require(w.shape == std::vector<int64_t>{tiles, k / p.group, block_bytes(p.bits, p.group)}, op,
+          p.bits == kFloatBits ? "float32 weights must be [ceil(N / 16), K / group_size, group_size * 64]"
+                               : "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
 }
 
 bool project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
              float* out, const Quantized& quantized) {
   const int64_t tokens = x.shape[0], k = x.shape[1], tiles = (p.n + kLanes - 1) / kLanes;
-  const int64_t block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
   if (tokens == 0) return false;
-  // With the SwiGLU epilogue the bfloat16 and the vector tiles write silu(gate) * up themselves (their items take
-  // a gate tile with its up tile); the AMX int8 tiles write the projection [T, N] here first.
-  const bool bf16 = bf16_rows(tokens), staged = p.swiglu && !bf16 && amx_rows(tokens);
+  // Float32 tiles take every call on the vector code, x as it is. With the SwiGLU epilogue the bfloat16 and the
+  // vector tiles write silu(gate) * up themselves (their items take a gate tile with its up tile); the AMX int8
+  // tiles write the projection [T, N] here first.
+  const bool floats = p.bits == kFloatBits, bf16 = !floats && bf16_rows(tokens);
+  const bool amx = !floats && amx_rows(tokens), staged = p.swiglu && !bf16 && amx;
   thread_local std::vector<float> projection;
   if (staged) projection.resize(static_cast<size_t>(tokens * p.n));
   thread_local Activations own;
   Activations& a = quantized.x ? *quantized.x : own;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
-               k / p.group, block_bytes, tiles, 0, 0, p.offsets, p.swiglu && !staged};
+               k / p.group, block_bytes(p.bits, p.group), tiles, 0, 0, p.offsets, p.swiglu && !staged};
   // A lone row is spread over ~8 items of tiles. Many rows take whole row chunks of up to 4 tiles, fewer where that
   // would cut the call into under kShareItems items (the AMX tiles keep 4): two threads sharing 9 items run 5 and 4,
   // and a 32-decode step's o_proj, down and q|k|v projections had 9, 9 and 15 (bench/NOTES.md entry 48). The SwiGLU
   // items keep whole blocks of the next projection, which they quantize.
-  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk, g = quantized.after ? quantized.after->group : 0;
+  const bool quantizes_next = quantized.after != nullptr && quantized.after->bits != kFloatBits;
+  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk, g = quantizes_next ? quantized.after->group : 0;
   job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / 8, 1, 4) : 4;
   const int64_t least = job.swiglu && g >= kLanes && g % kLanes == 0 ? std::min<int64_t>(4, g / kLanes) : 1;
-  if (tokens > 1 && !amx_rows(tokens))
+  if (tokens > 1 && !amx)
     while (job.tile_chunk / 2 >= least &&
            row_chunks * ((job.item_tiles() + job.tile_chunk - 1) / job.tile_chunk) < kShareItems)
       job.tile_chunk /= 2;
@@ -210,20 +219,20 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     parallel_for(api, context, bf16_item_count(job), bf16_items, &job);
     return false;
   }
-  if (quantized.x == nullptr) {
+  if (quantized.x == nullptr && !floats) {
     sized_for(a, tokens, k, p.group);
     if (tokens == 1) quantize_row(&job, 0);
     else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
   }
   // The SwiGLU tiles quantize their output for the next projection when their items' columns are its whole blocks
   const int64_t width = p.n / 2;
-  if (quantized.next && quantized.after && job.swiglu && width % g == 0 && job.tile_chunk * kLanes % g == 0) {
+  if (quantized.next && quantizes_next && job.swiglu && width % g == 0 && job.tile_chunk * kLanes % g == 0) {
     sized_for(*quantized.next, tokens, width, g);
     job.next = quantized.next;
     job.next_group = g;
     job.next_zero = zero_point(quantized.after->bits, quantized.after->offsets);
   }
-  if (amx_rows(tokens)) {
+  if (amx) {
     size_packed_rows(job);
     parallel_for(api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
   }
@@ -242,8 +251,9 @@ Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::s
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "group_size").c_str(), &group);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "offsets").c_str(), &offsets);
   require(n > 0, kName, "N must be positive");
-  require(bits == 4 || bits == 8, kName, "bits must be 4 or 8");
-  require(group > 0 && group % kSub == 0, kName, "group_size must be a positive multiple of 32");
+  require(bits == 4 || bits == 8 || bits == kFloatBits, kName, "bits must be 4, 8 or 32 (float32 tiles)");
+  require(group > 0 && (bits == kFloatBits || group % kSub == 0), kName,
+          "group_size must be a positive multiple of 32");
   const bool swiglu = sized && api.optional_int(info, (prefix + "swiglu").c_str(), 0) != 0;
   require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
   return {n, bits, group, offsets != 0, swiglu};
@@ -293,7 +303,8 @@ void compute(void* opaque, OrtKernelContext* context) {
 
 // QuantGather: rows `ids` of the weight QuantMatMul's blocks hold, dequantized (a tied embedding reading the
 // quantized lm_head's table): inputs 0 blocks uint8 [V/16, H/group, bytes] as QuantMatMul's, 1 ids int64 [T];
-// out float [T, H] = (q - zero_point) * d, or d * q + m with offsets. Attributes: bits, group_size, offsets.
+// out float [T, H] = (q - zero_point) * d, or d * q + m with offsets (bits=32: the stored floats). Attributes: bits,
+// group_size, offsets.
 struct GatherJob {
   const uint8_t* w;
   const int64_t* ids;
@@ -307,6 +318,11 @@ void gather_row(void* opaque, size_t t) {
   const int64_t id = j.ids[t], c = id % kLanes, subs = j.group / kSub;
   const uint8_t* p = j.w + id / kLanes * j.groups * j.block_bytes;
   float* out = j.out + static_cast<int64_t>(t) * j.hidden;
+  if (j.bits == kFloatBits) {  // the tile's [H][16] values: column c every 16th
+    const float* w = reinterpret_cast<const float*>(p);
+    for (int64_t k = 0; k < j.hidden; ++k) out[k] = w[k * kLanes + c];
+    return;
+  }
   for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
     for (int64_t s = 0; s < subs; ++s)
       for (int64_t kk = 0; kk < kSub; ++kk) {
@@ -327,16 +343,17 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   const std::vector<Tensor> in = inputs(kernel.api, context, 2);
   const auto &w = in[0], &ids = in[1];
   const Projection& p = kernel.first;
-  const int64_t block_bytes = kHeader + p.group / kSub * sub_bytes(p.bits);
-  require(w.shape.size() == 3 && w.shape[2] == block_bytes, kName,
-          "QuantGather's table must be [V / 16, H / group_size, 64 + group_size * 16 * bits / 8]");
+  const int64_t bytes = block_bytes(p.bits, p.group);
+  require(w.shape.size() == 3 && w.shape[2] == bytes, kName,
+          "QuantGather's table must be [V / 16, H / group_size, 64 + group_size * 16 * bits / 8] (group_size * 64 "
+          "for float32)");
   require(ids.shape.size() == 1, kName, "QuantGather's ids must be [T]");
   const int64_t rows = w.shape[0] * kLanes, tokens = ids.shape[0];
   const auto* id = static_cast<const int64_t*>(ids.data);
   for (int64_t t = 0; t < tokens; ++t)
     require(id[t] >= 0 && id[t] < rows, kName, "QuantGather: an id is outside the table");
   GatherJob job{static_cast<const uint8_t*>(w.data), id, nullptr, w.shape[1] * p.group, p.bits, p.group, w.shape[1],
-                block_bytes, p.offsets};
+                bytes, p.offsets};
   job.out = output<float>(kernel.api, context, 0, {tokens, job.hidden});
   parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
 }

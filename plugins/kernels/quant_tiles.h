@@ -90,6 +90,12 @@ inline T* aligned64(std::vector<T>& v) {
 
 inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
 
+// Bytes of a tile's block of `group` K values: the header of scales, then the values (bits=32: float32 tiles,
+// float_tiles.h, no header).
+inline int64_t block_bytes(int64_t bits, int64_t group) {
+  return (bits == 32 ? 0 : kHeader) + group * kLanes * bits / 8;
+}
+
 // The zero point blocks without offsets take off (2^(bits - 1)); 0 with offsets.
 inline int32_t zero_point(int64_t bits, bool offsets) { return offsets ? 0 : 1 << (bits - 1); }
 
@@ -432,12 +438,12 @@ void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols,
                   : tile_subs<Bits, Offsets, 0>(j, tile, t0, t1, cols, o);
 }
 
-// Rows t0 .. t1 - 1 of tile tl (cols <= 16 of its columns) into o.
-inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+// Rows t0 .. t1 - 1 of quantized tile tl (cols <= 16 of its columns) into o (float_tiles.h's tile() picks).
+inline void int_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
   by_kind(j, [&](auto bits, auto offsets) { tile<bits, offsets>(j, tl, t0, t1, cols, o); });
 }
 #else
-inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+inline void int_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
   plain_tile(j, tl, t0, t1, cols, o);
 }
 #endif

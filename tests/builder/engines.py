@@ -10,10 +10,13 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
+from onnx import numpy_helper
 
 from engine.builder.build import build_engine
 from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.plugins import quant_matmul
 from engine.recipes.convert import ConvertConfig, convert
 from engine.recipes.sources import HFDirSource
 from tests.tiny_models import TINY_CONFIGS, make_tiny_model
@@ -23,6 +26,17 @@ TEST_BUILD = BuildConfig(max_batch_size=8, max_input_len=64, max_seq_len=128, ma
 ALL_PLUGINS = PluginConfig()
 NO_PLUGINS = PluginConfig(gpt_attention_plugin=False, engine_kernels_plugin=False, rmsnorm_plugin=False,
                           rotary_plugin=False, gemm_swiglu_plugin=False)
+
+
+def stored_float(init: onnx.TensorProto, n: int, base_dir: str | None = None) -> np.ndarray:
+    """A float32 weight of N rows (out features) as an engine stores it, as [N, K]: QuantMatMul's float32 tiles where
+    the build runs them (plugins/quant_matmul.pack_float), else the float32 tensor (Gemm's and Gather's [N, K],
+    MatMul's [K, N])."""
+    array = numpy_helper.to_array(init, base_dir=base_dir) if base_dir else numpy_helper.to_array(init)
+    if init.data_type == onnx.TensorProto.UINT8:
+        return quant_matmul.unpack_float(array, n)
+    assert array.dtype == np.float32, init.name
+    return array if array.shape[0] == n else array.T
 
 
 def slug(key: str) -> str:

@@ -8,15 +8,20 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
 from safetensors.numpy import load_file
 
 from engine.core.engine_config import EngineConfig, allreduce_name, engine_file, segment_file
 from engine.core.errors import EngineError
 from engine.core.serde import from_json, read_json, to_json
+from engine.plugins import native
 from engine.runtime.engine_dir import load_engine_config
+from tests.builder.engines import stored_float
 
 LLAMA = "LlamaForCausalLM"
+# a float32 layer with the engine's kernels: its projections QuantMatMul's float32 tiles, folded into the attention,
+# norm and MLP nodes where the CPU runs them (plugins/quant_matmul.float_runs), else MatMul beside those nodes
+FLOAT_LAYER_OPS = (("│ engine.QuantRotaryPagedAttention ", "│ engine.QuantMLPAddRMSNorm ") if native.has_int8_dot()
+                   else ("│ engine.RotaryPagedAttention ", "│ engine.SwiGLU "))
 
 
 def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -132,12 +137,12 @@ def test_tp2_build_of_tp1_checkpoint(tiny, tmp_path, monkeypatch, capsys):
         assert "logits" in {o.name for o in segments[4].graph.output}
     # Each rank holds its shard: vocab-parallel lm_head, column-parallel gate_up.
     ckpt = load_file(str(tiny.checkpoint(LLAMA) / "rank0.safetensors"))
-    weights = [{t.name: numpy_helper.to_array(t, base_dir=str(out_dir)) for m in segments for t in m.graph.initializer}
-               for segments in ranks]
-    lm_head = np.concatenate([w["lm_head.weight"].T for w in weights])
+    weights = [{t.name: t for m in segments for t in m.graph.initializer} for segments in ranks]
+    vocab = ckpt["lm_head.weight"].shape[0] // 2
+    lm_head = np.concatenate([stored_float(w["lm_head.weight"], vocab, str(out_dir)) for w in weights])
     np.testing.assert_array_equal(lm_head, ckpt["lm_head.weight"])
     gate_up = ckpt["layers.1.mlp.gate_up.weight"]               # [gate 128; up 128] rows
-    rank1 = weights[1]["layers.1.mlp.gate_up.weight"].T          # [gate 64; up 64] of rank 1
+    rank1 = stored_float(weights[1]["layers.1.mlp.gate_up.weight"], 128, str(out_dir))   # [gate 64; up 64] of rank 1
     np.testing.assert_array_equal(rank1, np.concatenate([gate_up[64:128], gate_up[192:256]]))
 
 
@@ -146,7 +151,7 @@ def test_inspect_reports_config_versions_plan_and_ops(tiny, monkeypatch, capsys)
     assert code == 0
     for text in ("LlamaForCausalLM", "max_seq_len", "gpt_attention_plugin", "onnxruntime 1.32",
                  "runs here", "KV cache per block (4 tokens)", "weights, rank 0", "rank0.onnx:",
-                 "│ engine.RotaryPagedAttention ", "│ engine.SwiGLU ", "MatMul"):
+                 *FLOAT_LAYER_OPS, "MatMul"):
         assert text in out, text
     # Op counts follow the plugin switches: the reference lowering of attention is MatMul + Softmax.
     code, out, _ = cli(monkeypatch, capsys, "inspect", "--engine-dir", str(tiny.engine(LLAMA, plugins=False)))

@@ -19,6 +19,7 @@ import pytest
 
 from engine.cli.app import main
 from engine.core.errors import EngineError
+from engine.plugins import native
 from tests.cli.engine_cli import run_with_terminal_stderr
 from tests.tiny_models import make_tiny_model
 
@@ -132,7 +133,8 @@ def test_inspect_verify_and_eval_json(root, built):
     doc = json_of("inspect", "--engine-dir", engine_dir)
     assert doc["runs_here"] is True and doc["why_not"] is None and doc["digest"] == build_doc["digest"]
     assert doc["config"]["manifest"]["checkpoint_digest"] == build_doc["checkpoint_digest"]
-    assert doc["op_counts"]["rank0.onnx"]["engine.RotaryPagedAttention"] == 2  # the tiny Llama has two layers
+    attention = "engine.QuantRotaryPagedAttention" if native.has_int8_dot() else "engine.RotaryPagedAttention"
+    assert doc["op_counts"]["rank0.onnx"][attention] == 2  # the tiny Llama has two layers (float32 tiles: with q|k|v)
     doc = json_of("verify", "--engine-dir", engine_dir)
     assert doc["mismatch"] is None and doc["error"] is None and doc["files"] == build_doc["files"]
     assert doc["digest"] == build_doc["digest"]

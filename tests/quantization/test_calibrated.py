@@ -26,7 +26,7 @@ from engine.quantization.weight_only import QuantizedWeight, signed_values
 from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.session import EngineSession
 from engine.runtime.step_inputs import SeqChunk
-from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, prompts
+from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, prompts, stored_float
 from tests.builder.test_engine_dir import cli
 from tests.tiny_models import TINY_CONFIGS, _CORPUS
 
@@ -141,10 +141,12 @@ def test_stored_tensors_have_the_quantized_dtype_and_size(tiny, mode):
             assert raw == elements * per_element
             assert f"layers.{i}.{proj}.weights_scaling_factor" in inits
     assert inits["vocab_embedding.weight"].data_type == onnx.TensorProto.FLOAT
-    assert inits["lm_head.weight"].data_type == onnx.TensorProto.FLOAT
+    vocab = config.model.vocab_size   # lm_head float32: the tensor, or QuantMatMul's float32 tiles where it runs them
+    assert stored_float(inits["lm_head.weight"], vocab).shape == (vocab, config.model.hidden_size)
+    float_head = inits["lm_head.weight"].data_type == onnx.TensorProto.UINT8
     counts = op_counts(engine / "rank0.onnx")
     for op, per_layer in kernels.items():
-        assert projections(counts, op) == 2 * per_layer, counts
+        assert projections(counts, op) == 2 * per_layer + (float_head and op == "engine.QuantMatMul"), counts
     _plan_matches_stored_bytes(engine)
 
 

@@ -12,13 +12,13 @@ from safetensors.numpy import load_file
 from engine.builder.onnxruntime_backend import op_counts
 from engine.core.errors import EngineError
 from engine.runtime.engine_dir import load_engine_config
-from engine.plugins import native
+from engine.plugins import native, quant_matmul
 from engine.runtime import session as session_module
 from engine.runtime.perplexity import ScoringSession
 from engine.runtime.session import EngineSession
 from engine.runtime.step_inputs import SeqChunk
 from engine.quantization.weight_only import rtn_scales
-from tests.builder.engines import engine_greedy, prompts
+from tests.builder.engines import engine_greedy, prompts, stored_float
 
 from .engines import GATHER_OP, LOGITS_RELATIVE_RMS, PROJECTION_OP, projections, quant_engine, relative_rms, stored_projection
 
@@ -97,11 +97,14 @@ def test_stored_tensors_are_quantized_and_reproducible(tiny, mode, bits, group):
             dequantized = (values.astype(np.float32) - 2 ** (bits - 1)).reshape(n, k // group, group)
             np.testing.assert_allclose((dequantized * scales[..., None]).reshape(n, k), w,   # one step: +zp clips
                                        atol=float(np.abs(scales).max()) * 1.0001)
-    # embeddings and lm_head stay float32 by default
+    # embeddings and lm_head stay float32 by default: lm_head as QuantMatMul's float32 tiles where it runs them
     assert inits["vocab_embedding.weight"].data_type == onnx.TensorProto.FLOAT
-    assert inits["lm_head.weight"].data_type == onnx.TensorProto.FLOAT
+    vocab = ckpt["lm_head.weight"].shape[0]
+    np.testing.assert_array_equal(stored_float(inits["lm_head.weight"], vocab), ckpt["lm_head.weight"])
+    float_head = inits["lm_head.weight"].data_type == onnx.TensorProto.UINT8
+    assert float_head == quant_matmul.float_runs(vocab, kernel=True)
     counts = op_counts(engine / "rank0.onnx")
-    assert projections(counts) == 2 * 4
+    assert projections(counts) == 2 * 4 + float_head
     # the memory plan counts weights at their stored precision
     data = (engine / "rank0.onnx.data").stat().st_size
     assert data <= config.memory.weight_bytes_per_rank[0] <= data * 1.05
@@ -125,12 +128,15 @@ def test_group_size_must_divide_in_features(tiny, tmp_path):
 def test_engines_of_kernels_give_them_the_threads(tiny, key, kernels_only, monkeypatch):
     """A quantized engine whose parallel nodes are all the engine's kernels records thread_pool "engine": its
     session runs them on their own pool (plugins/kernels/spin_pool.h) and computes exactly what ORT's intra-op
-    pool computes. An engine with ORT MatMuls (lm_head float32) keeps ORT's pool."""
+    pool computes. A float32 lm_head is the engine's kernel too where it runs as QuantMatMul's float32 tiles (its
+    columns whole tiles), else an ORT MatMul, which keeps ORT's pool."""
     engine = quant_engine(tiny, key, "int8_wo", lm_head=True)
     config = load_engine_config(engine)
     own_pool = kernels_only and PROJECTION_OP.startswith("engine.")
     assert config.thread_pool == ("engine" if own_pool else "onnxruntime"), op_counts(engine / "rank0.onnx")
-    assert load_engine_config(quant_engine(tiny, key, "int8_wo")).thread_pool == "onnxruntime"
+    float_head = quant_matmul.float_runs(config.model.vocab_size, kernel=True)
+    float_config = load_engine_config(quant_engine(tiny, key, "int8_wo"))
+    assert float_config.thread_pool == ("engine" if own_pool and float_head else "onnxruntime")
     runs_own = own_pool and native.own_pool_supported(ort.__version__)
     assert session_module.kernel_pool_threads(config, 2) == (2 if runs_own else None)
     batch = prompts(3, (5, 9, 2))
