@@ -114,12 +114,13 @@ def test_pool_is_updated_in_place(tiny):
     session.run([SeqChunk([5, 6, 7, 8, 9], 0, [3, 9], False)])
     written = np.flatnonzero(np.abs(k0).sum(axis=1))
     assert written.tolist() == [12, 13, 14, 15, 36]   # block 3: slots 12-15, block 9: slot 36
-    # The node that writes the pool (the engine's RotaryPagedAttention; ScatterND without the engine's kernels)
-    # produces the bound output itself: an Identity (or any node) between them makes ORT copy the whole pool on
-    # every step.
+    # The node that writes the pool (the engine's RotaryPagedAttention, QuantRotaryPagedAttention where it takes the
+    # q|k|v projection in too; ScatterND without the engine's kernels) produces the bound output itself: an Identity
+    # (or any node) between them makes ORT copy the whole pool on every step.
     graph = onnx.load(str(engine_dir / engine_file(0)), load_external_data=False).graph
     producer = {out: node for node in graph.node for out in node.output}[kcache_out_name(0)]
-    assert producer.op_type == "RotaryPagedAttention" and producer.input[4] == kcache_name(0)
+    assert producer.op_type in ("RotaryPagedAttention", "QuantRotaryPagedAttention")
+    assert producer.input[4] == kcache_name(0)
 
 
 def test_sliding_mask_limits_keys_to_window():
