@@ -27,6 +27,8 @@ struct Lanes {
   static Lanes zero() { return {_mm512_setzero_ps()}; }
   static Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
   void fma(const Lanes& w, const float* x) { v = _mm512_fmadd_ps(w.v, _mm512_set1_ps(*x), v); }
+  static Lanes broadcast(const float* x) { return {_mm512_set1_ps(*x)}; }
+  void fma(const Lanes& w, const Lanes& x) { v = _mm512_fmadd_ps(w.v, x.v, v); }
   void add(const Lanes& o) { v = _mm512_add_ps(v, o.v); }
   void store(float* p, int64_t cols) const {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << cols) - 1), v);
@@ -132,10 +134,70 @@ inline void float_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, in
   }
 }
 
+// Rows sharing each broadcast of x between two tiles' lines (float_pair): 12 x 2 accumulators of AVX-512's 32
+// registers, a broadcast and two weight loads for 24 FMAs where a tile alone takes 10 broadcasts and a load for 10;
+// none on AVX2, whose 16 registers hold no more than one tile's rows.
+constexpr int kPairRows = Lanes::kRegisters == 1 ? 12 : 0;
+
+#if defined(__AVX512F__)
+// Output rows t0 .. t0 + R - 1 of tiles a and b: each row's x[r, k] broadcast once for both tiles' FMAs.
+template <int R>
+void float_pair_rows(const QuantJob& j, const int64_t tile[2], int64_t t0, const int64_t cols[2],
+                     const TileOut out[2], bool stream) {
+  const float* w[2] = {reinterpret_cast<const float*>(j.w) + tile[0] * j.k * kLanes,
+                       reinterpret_cast<const float*>(j.w) + tile[1] * j.k * kLanes};
+  const float* x = j.x + t0 * j.k;
+  Lanes acc[R][2];
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Lanes::zero();
+  for (int64_t k = 0; k < j.k; ++k) {
+    if (stream) {
+      __builtin_prefetch(w[0] + (k + kFloatAhead) * kLanes, 0, 3);
+      __builtin_prefetch(w[1] + (k + kFloatAhead) * kLanes, 0, 3);
+    }
+    const Lanes wa = Lanes::load(w[0] + k * kLanes), wb = Lanes::load(w[1] + k * kLanes);
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const Lanes xr = Lanes::broadcast(x + r * j.k + k);
+      acc[r][0].fma(wa, xr);
+      acc[r][1].fma(wb, xr);
+    }
+  }
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) {
+    acc[r][0].store(out[0].row(t0 + r), cols[0]);
+    acc[r][1].store(out[1].row(t0 + r), cols[1]);
+  }
+}
+#endif
+
+// Rows t0 .. t1 - 1 of float tiles a and b (a gate tile and its up tile, or neighbours) into their outputs: passes of
+// kPairRows rows then 4 sharing x's broadcasts, the rest (and all of them without AVX-512) a tile at a time.
+inline void float_pair(const QuantJob& j, const int64_t tile[2], int64_t t0, int64_t t1, const int64_t cols[2],
+                       const TileOut out[2]) {
+  int64_t t = t0;
+#if defined(__AVX512F__)
+  for (; t + kPairRows <= t1; t += kPairRows) float_pair_rows<kPairRows>(j, tile, t, cols, out, t == t0);
+  for (; t + 4 <= t1; t += 4) float_pair_rows<4>(j, tile, t, cols, out, t == t0);
+#endif
+  if (t == t1) return;
+  float_tile(j, tile[0], t, t1, cols[0], out[0]);
+  float_tile(j, tile[1], t, t1, cols[1], out[1]);
+}
+
 // Rows t0 .. t1 - 1 of tile tl (cols <= 16 of its columns) into o, for the job's weights: float32 or quantized.
 inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
   if (j.bits == kFloatBits) float_tile(j, tl, t0, t1, cols, o);
   else int_tile(j, tl, t0, t1, cols, o);
+}
+
+// Rows t0 .. t1 - 1 of two tiles into their outputs: float32 tiles share x's broadcasts (float_pair), quantized ones
+// run one after the other.
+inline void tile_pair(const QuantJob& j, const int64_t tiles[2], int64_t t0, int64_t t1, const int64_t cols[2],
+                      const TileOut out[2]) {
+  if (j.bits == kFloatBits) return float_pair(j, tiles, t0, t1, cols, out);
+  int_tile(j, tiles[0], t0, t1, cols[0], out[0]);
+  int_tile(j, tiles[1], t0, t1, cols[1], out[1]);
 }
 
 }  // namespace quant

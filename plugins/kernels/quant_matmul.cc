@@ -147,8 +147,9 @@ void swiglu_tiles(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int6
   up.resize(gate.size());
   const int64_t width = j.n / 2;
   for (int64_t tl = first; tl < last; ++tl) {
-    tile(j, tl, t0, t1, kLanes, TileOut{gate.data(), kLanes, t0});
-    tile(j, tl + j.tiles / 2, t0, t1, kLanes, TileOut{up.data(), kLanes, t0});
+    const int64_t tiles[2] = {tl, tl + j.tiles / 2}, cols[2] = {kLanes, kLanes};
+    const TileOut outs[2] = {TileOut{gate.data(), kLanes, t0}, TileOut{up.data(), kLanes, t0}};
+    tile_pair(j, tiles, t0, t1, cols, outs);
     for (int64_t t = t0; t < t1; ++t)
       swiglu_span(gate.data() + (t - t0) * kLanes, up.data() + (t - t0) * kLanes, j.out + t * width + tl * kLanes,
                   kLanes);
@@ -171,7 +172,13 @@ void matmul_item(void* opaque, size_t i) {
   const int64_t last = std::min(j.item_tiles(), first + j.tile_chunk);
   if (j.swiglu) return swiglu_tiles(j, t0, t1, first, last);
   if (j.bits != kFloatBits && amx_tiles(j, t0, t1, first, last)) return;
-  for (int64_t tl = first; tl < last; ++tl) tile(j, tl, t0, t1, std::min(kLanes, j.n - tl * kLanes), job_out(j, tl));
+  auto cols = [&](int64_t tl) { return std::min(kLanes, j.n - tl * kLanes); };
+  for (int64_t tl = first; tl < last; tl += 2) {
+    if (tl + 1 == last) return tile(j, tl, t0, t1, cols(tl), job_out(j, tl));
+    const int64_t tiles[2] = {tl, tl + 1}, widths[2] = {cols(tl), cols(tl + 1)};
+    const TileOut outs[2] = {job_out(j, tl), job_out(j, tl + 1)};
+    tile_pair(j, tiles, t0, t1, widths, outs);
+  }
 }
 
 }  // namespace
@@ -207,7 +214,9 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   const bool quantizes_next = quantized.after != nullptr && quantized.after->bits != kFloatBits;
   const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk, g = quantizes_next ? quantized.after->group : 0;
   job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / 8, 1, 4) : 4;
-  const int64_t least = job.swiglu && g >= kLanes && g % kLanes == 0 ? std::min<int64_t>(4, g / kLanes) : 1;
+  // float32 items keep pairs of tiles, whose rows share x's broadcasts (float_tiles.h float_pair)
+  const int64_t least = job.swiglu && g >= kLanes && g % kLanes == 0 ? std::min<int64_t>(4, g / kLanes)
+                        : floats && !job.swiglu ? 2 : 1;
   if (tokens > 1 && !amx)
     while (job.tile_chunk / 2 >= least &&
            row_chunks * ((job.item_tiles() + job.tile_chunk - 1) / job.tile_chunk) < kShareItems)
