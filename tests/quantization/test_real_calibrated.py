@@ -77,10 +77,21 @@ BELOW_TARGET = {"fp8": pytest.mark.xfail(strict=True, reason="measured fp8 +4.2%
 
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=BELOW_TARGET.get(m, ())) for m in sorted(TARGET)])
 def test_accuracy_report_within_target(engines, mode):
+    """The build's report (held-out text of seed 0), and the target on the mean of it and three more texts: one
+    text's estimate is noisy, int8_sq's read +1.2% to +2.2% over the seeds 0-5, and which text seed 0 gives moves
+    with the float engine's summation order (temperature-1 sampling: MLAS's MatMul and the float32 tiles sample
+    texts that part after 30-175 tokens; bench/NOTES.md entry 49)."""
+    from engine.quantization.accuracy import accuracy_report, held_out_windows
     from engine.runtime.engine_dir import load_engine_config
-    q = load_engine_config(engines / mode).quantization
+    config = load_engine_config(engines / mode)
+    q = config.quantization
     assert q.accuracy["tokens"] >= 2000 and q.accuracy["reference_ppl"] > 1
-    assert q.accuracy["ppl_increase_pct"] <= TARGET[mode]
+    reference, bos = engines / "float32", config.generation.bos_token_id
+    increases = [q.accuracy["ppl_increase_pct"]] + [
+        accuracy_report(reference, engines / mode, held_out_windows(AccuracyOptions(seed=seed), reference, reference,
+                                                                    bos))["ppl_increase_pct"]
+        for seed in (1, 2, 3)]
+    assert sum(increases) / len(increases) <= TARGET[mode], increases
     if mode == "int4_awq":  # the layers keep the checkpoint's Q4_1 blocks: nothing to calibrate
         assert q.source_grid and "skipped" in q.calibration
     else:
