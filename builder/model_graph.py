@@ -66,8 +66,8 @@ from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
-from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins import quant_matmul
+from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
 from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp, quant_mlp
@@ -376,7 +376,7 @@ class _Builder:
             logits = bf16_linear(g, normed, None, name="/lm_head", weight_name="vocab_embedding.weight",
                                  n=m.vocab_size)
         elif float_tiles:
-            logits = quant_matmul.float_matmul(g.scope("/lm_head"), normed, "vocab_embedding.weight", *table_shape)
+            logits = quant_matmul.float_node(g.scope("/lm_head"), normed, "vocab_embedding.weight", *table_shape)
         elif tied:
             # Gemm reads the embedding [V, H] transposed in place: the tied weight is stored once, not twice.
             logits = g.node("Gemm", [normed, "vocab_embedding.weight"], name="/lm_head/Gemm", transB=1)

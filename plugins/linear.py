@@ -91,7 +91,7 @@ def float_matmul(g: Graph, op: Scope, x: str, weight: np.ndarray, weight_name: s
     """x @ weight^T for a float32 weight [N, K]: the engine's QuantMatMul over float32 tiles where `kernel` and the
     CPU run them (plugins/quant_matmul.float_runs), else MatMul of the transposed weight."""
     if quant_matmul.float_runs(weight.shape[0], kernel=kernel):
-        return quant_matmul.float_matmul(op, x, g.weight(weight_name, quant_matmul.pack_float(weight)), *weight.shape)
+        return quant_matmul.float_node(op, x, g.weight(weight_name, quant_matmul.pack_float(weight)), *weight.shape)
     return op("MatMul", [x, g.weight(weight_name, np.asarray(weight, dtype=np.float32).T)])
 
 

@@ -86,7 +86,7 @@ def unpack_float(tiles: np.ndarray, n: int) -> np.ndarray:
     return values.transpose(0, 2, 1).reshape(count * LANES, k)[:n]
 
 
-def float_matmul(op: Scope, x: str, tiles: str, n: int, k: int) -> str:
+def float_node(op: Scope, x: str, tiles: str, n: int, k: int) -> str:
     """x [T, K] @ W^T for a float32 weight [N, K] placed as its float32 tiles (pack_float) in initializer `tiles`:
     the engine's QuantMatMul with bits=32."""
     return op("QuantMatMul", [x, tiles], domain=ENGINE_DOMAIN, N=n, bits=FLOAT_BITS, group_size=k, offsets=0)

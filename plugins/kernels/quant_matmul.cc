@@ -49,8 +49,8 @@
 #include <vector>
 
 #include "add_rms_norm.h"
-#include "ort_abi.h"
 #include "float_tiles.h"
+#include "ort_abi.h"
 #include "quant_bf16.h"
 #include "quant_project.h"
 #include "swiglu.h"
