@@ -15,7 +15,6 @@
 namespace engine_kernels {
 namespace quant {
 
-constexpr int64_t kFloatBits = 32;  // QuantMatMul's bits for float32 tiles
 // How far ahead of its reads a tile's weight stream is prefetched, in k (cache lines): 8 KB, as the quantized tiles
 constexpr int64_t kFloatAhead = 128;
 

@@ -33,6 +33,7 @@ constexpr int64_t kSub = 32;       // K values per sub-block
 constexpr int64_t kHeader = 64;    // bytes of a block's scales
 constexpr int64_t kRowChunk = 64;  // rows per work item (their A tiles stay in L1 on AMX)
 constexpr int64_t kShareItems = 32;  // the fewest items a call of many rows is cut into, where tiles allow
+constexpr int64_t kFloatBits = 32;  // QuantMatMul's bits for float32 tiles (float_tiles.h)
 // rows sharing each unpacked weight register: 10 in AVX-512's 32 registers (one dot-product chain each; 8 rows of
 // two chains ran 1.5-6% slower on a Zen 5, bench/NOTES.md entry 44), 4 in AVX2's 16
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -93,7 +94,7 @@ inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
 // Bytes of a tile's block of `group` K values: the header of scales, then the values (bits=32: float32 tiles,
 // float_tiles.h, no header).
 inline int64_t block_bytes(int64_t bits, int64_t group) {
-  return (bits == 32 ? 0 : kHeader) + group * kLanes * bits / 8;
+  return (bits == kFloatBits ? 0 : kHeader) + group * kLanes * bits / 8;
 }
 
 // The zero point blocks without offsets take off (2^(bits - 1)); 0 with offsets.
