@@ -8,6 +8,7 @@ from engine.plugins import native, quant_matmul
 from engine.plugins.linear import linear
 
 from .runner import assert_close, run_op
+from .test_quant_matmul import mlp_graph, normed_projection_of
 
 pytestmark = pytest.mark.skipif(not native.has_int8_dot(), reason="float32 tiles run where the CPU has AVX2 or "
                                 "AVX-512 (plugins/quant_matmul.float_runs)")
@@ -78,27 +79,13 @@ def test_gather_reads_rows_of_the_tiles():
 def test_fused_forms_equal_their_nodes(tokens):
     """swiglu=1, QuantMLP and the *AddRMSNorm epilogues over float32 tiles give bit for bit what the unfused nodes
     give (a float32 engine's layer: plugins/gated_mlp.py, rms_norm.py)."""
-    from engine.plugins.gated_mlp import quant_mlp
-    from engine.plugins.rms_norm import add_rms_norm
     rng = np.random.default_rng(tokens)
     x, r = rng.standard_normal((tokens, 64)).astype(np.float32), rng.standard_normal((tokens, 48)).astype(np.float32)
     norm = rng.uniform(0.5, 1.5, 48).astype(np.float32)
     gate_up, down = weight(256, 64, 5), weight(48, 128, 6)
 
     def mlp(fold: bool, with_norm: bool):
-        ops = []
-
-        def graph(g, xs, rs):
-            hidden = projection(g, xs, gate_up, "gate_up", swiglu=1)
-            y = projection(g, hidden, down, "down")
-            if fold:
-                y = quant_mlp(g, y, name="/mlp/QuantMLP")
-            out = add_rms_norm(g, y, rs, norm, 1e-5, name="/norm", weight_name="norm.weight", plugin=True,
-                               kernel=True) if with_norm else y
-            ops.extend(nd.op_type for nd in g.nodes)
-            return out
-
-        return run_op(graph, {"x": x, "r": r}, threads=2), ops
+        return mlp_graph(x, r, norm, gate_up, down, fold=fold, norm=with_norm, projection=projection, threads=2)
 
     unfused, ops = mlp(False, False)
     assert ops == ["QuantMatMul", "QuantMatMul"]
@@ -111,9 +98,7 @@ def test_fused_forms_equal_their_nodes(tokens):
     np.testing.assert_array_equal(folded, unfused)
     (normed, total), ops = mlp(True, True)
     assert ops == ["QuantMLPAddRMSNorm"]
-    want_normed, want_total = run_op(lambda g, ys, rs: add_rms_norm(
-        g, ys, rs, norm, 1e-5, name="/norm", weight_name="norm.weight", plugin=True, kernel=True),
-        {"y": unfused, "r": r})
+    (want_normed, want_total), _ = normed_projection_of(unfused, r, norm)
     np.testing.assert_array_equal(total, want_total)
     np.testing.assert_array_equal(normed, want_normed)
 

@@ -243,18 +243,21 @@ def test_add_rms_norm_epilogue_equals_the_two_ops(tokens):
         np.testing.assert_allclose(total, expected(x, q) + r[:, :40], rtol=1e-5, atol=1e-5)
 
 
-def mlp_graph(x: np.ndarray, r: np.ndarray, w: np.ndarray, gate_up: QuantizedWeight, down: QuantizedWeight, *,
-              fold: bool, norm: bool):
+def quant_projection(g, xs: str, q: QuantizedWeight, stem: str, **extra) -> str:
+    """QuantMatMul of xs by q's packed blocks, initializer "{stem}.weight"; `extra` attributes (swiglu)."""
+    return g.scope(f"/{stem}")("QuantMatMul", [xs, g.weight(f"{stem}.weight", quant_matmul.pack(q))],
+                               domain=ENGINE_DOMAIN, N=q.shape[0], bits=q.bits, group_size=q.group_size,
+                               offsets=int(q.offsets is not None), **extra)
+
+
+def mlp_graph(x: np.ndarray, r: np.ndarray, w: np.ndarray, gate_up, down, *, fold: bool, norm: bool,
+              projection=quant_projection, threads: int = 1):
     """down(silu(gate) * up) of x as QuantMatMul (swiglu=1) then QuantMatMul, with the residual add and norm after
-    it (add_rms_norm) when `norm`; `fold`: through gated_mlp.quant_mlp. Returns the output(s) and the node types."""
+    it (add_rms_norm) when `norm`; `fold`: through gated_mlp.quant_mlp. `projection(g, x, weight, stem, **extra)`
+    makes each QuantMatMul (default: a QuantizedWeight's blocks). Returns the output(s) and the node types."""
     from engine.plugins.gated_mlp import quant_mlp
     from engine.plugins.rms_norm import add_rms_norm
     ops = []
-
-    def projection(g, xs, q, stem, **extra):
-        return g.scope(f"/{stem}")("QuantMatMul", [xs, g.weight(f"{stem}.weight", quant_matmul.pack(q))],
-                                   domain=ENGINE_DOMAIN, N=q.shape[0], bits=q.bits, group_size=q.group_size,
-                                   offsets=int(q.offsets is not None), **extra)
 
     def graph(g, xs, rs):
         y = projection(g, projection(g, xs, gate_up, "gate_up", swiglu=1), down, "down")
@@ -265,7 +268,7 @@ def mlp_graph(x: np.ndarray, r: np.ndarray, w: np.ndarray, gate_up: QuantizedWei
         ops.extend(nd.op_type for nd in g.nodes)
         return out
 
-    return run_op(graph, {"x": x, "r": r}), ops
+    return run_op(graph, {"x": x, "r": r}, threads=threads), ops
 
 
 @pytest.mark.parametrize("tokens", [1, 6, 70])
