@@ -18,8 +18,7 @@ is one RotaryPagedAttention node (plugins/attention.rotary_paged_attention), wha
 projections run as the engine's QuantMatMul (quantized, or float32 as its float32 tiles: plugins/linear.py), a layer
 is three nodes: qkv_proj inside the attention node (QuantRotaryPagedAttention*), o_proj with the add and norm after it
 (QuantMatMulAddRMSNorm), the MLP with the next layer's add and norm (QuantMLPAddRMSNorm): plugins/attention.py,
-plugins/rms_norm.py, plugins/gated_mlp.py. A float32 tied lm_head is then QuantMatMul's float32 tiles too, which the
-embedding's QuantGather reads (stored once).
+plugins/rms_norm.py, plugins/gated_mlp.py.
 
 Before layer 0 `hidden` is the embedding (times embedding_multiplier) and nothing is pending; after the last
 layer the rows named by logits_indices are gathered first, so the final add_rms_norm and the lm_head run only
@@ -36,17 +35,13 @@ gate_up / gate + up, down) is quantized at build (RTN, or kept as the checkpoint
 them: quantization/weight_only.py) and lowered by
 plugins/linear.py; the gated MLP is then composed here from those projections, since plugins/gated_mlp.py takes
 float weights. Embeddings and lm_head stay float32 unless quantize_lm_head (at the layers' bits) or lm_head_dtype int8
-(int8 blocks of 32 on llama.cpp's Q8_0 rule); a tied embedding then shares the lm_head's packed table
-(GatherBlockQuantized + MatMulNBits, or QuantGather + QuantMatMul, over one initializer). With lm_head_dtype bfloat16
-lm_head is the engine's Bf16MatMul, and a tied embedding its Bf16Gather over the same table (plugins/bf16_matmul.py).
-At tp > 1 each rank's lm_head is its vocabulary shard, and a tied embedding gathers from a whole table of its own
-at the head's precision.
+(int8 blocks of 32 on llama.cpp's Q8_0 rule) or bfloat16; builder/vocab_tables.py lowers the embedding and lm_head
+and the one table a tied model stores for both.
 
 Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's quantized projections laid over the
 checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py (int4_awq layers that
 keep the checkpoint's 4-bit blocks, source_grid, are lowered as int4_wo's; only lm_head is calibrated); with
-quantize_lm_head a tied embedding reads the quantized lm_head's table (calibrated_gather), stored once; not under
-fp8 (ONNX Gather takes no float8 tensor), where the float32 embedding stays next to the fp8 lm_head.
+quantize_lm_head a tied embedding reads the quantized lm_head's table (builder/vocab_tables.py).
 
 Quantized KV cache (BuildConfig.kv_cache_dtype int8 / fp8): the pools kcache.{i} / vcache.{i} are int8 (fp8: e4m3
 codes in uint8, plugins/e4m3.py), and each layer holds
@@ -66,25 +61,24 @@ from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
-from engine.plugins import quant_matmul
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
-from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
-from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
+from engine.plugins.calibrated_linear import calibrated_linear
 from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp, quant_mlp
-from engine.plugins.linear import linear, quantized_gather, quantized_linear
+from engine.plugins.linear import linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
-from engine.quantization.calibrated import CALIBRATED, SHARED_TABLE
+from engine.quantization.calibrated import CALIBRATED
 from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
 from engine.quantization.modes import INT8_HEAD_GROUP
-from engine.quantization.weight_only import BITS, WeightOnlyScheme, quantize
+from engine.quantization.weight_only import BITS, WeightOnlyScheme
 
 from .graph import MS_DOMAIN, Graph
+from .vocab_tables import VocabTables
 
 Tensors = MutableMapping[str, np.ndarray]
 
 
-class _Builder:
+class _Builder(VocabTables):
     def __init__(self, model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
                  tp: int, quant: QuantConfig, rank: int = 0):
         self.m, self.t, self.b, self.p, self.tp, self.q, self.rank = model, tensors, build, plugins, tp, quant, rank
@@ -319,39 +313,7 @@ class _Builder:
     def build(self) -> Graph:
         m, g = self.m, self.g
         self.inputs()
-        tied = m.tie_word_embeddings and self.tp == 1 and "lm_head.weight" not in self.t
-        # tp > 1: a rank holds its vocabulary shard of lm_head and the whole embedding, which a tied model still
-        # stores at the head's precision, as a table of its own (the same rows tp=1's shared table holds)
-        own_table = m.tie_word_embeddings and not tied
-        embedding = self.take("vocab_embedding.weight")
-        # a float32 tied lm_head as QuantMatMul's float32 tiles (plugins/linear.float_matmul), which the embedding's
-        # QuantGather reads too
-        float_tiles = tied and not self.head_quantized and not self.bf16_head and \
-            quant_matmul.float_runs(embedding.shape[0], kernel=self.p.engine_kernels_plugin)
-        table_shape = embedding.shape
-        shared_table = shared_calibrated = None
-        if self.calibrated and self.q.quantize_lm_head and m.tie_word_embeddings and self.q.mode in SHARED_TABLE:
-            # the embedding reads the quantized lm_head's table (stored once); the float embedding is dropped
-            shared_calibrated = self.t.pop_calibrated("lm_head.weight", self.q.mode, self.q.group_size)
-            hidden = calibrated_gather(g, shared_calibrated, ec.INPUT_IDS, name="/model/embed_tokens",
-                                       weight_name="lm_head.weight", plugin=self.p.weight_only_quant_matmul_plugin,
-                                       kernel=self.p.engine_kernels_plugin, accuracy_level=self.q.accuracy_level or 0)
-        elif (tied or own_table) and self.head_quantized and self.scheme is not None:
-            table = quantize(embedding, self.head_scheme, name="vocab_embedding.weight")
-            hidden = quantized_gather(g, table, ec.INPUT_IDS, name="/model/embed_tokens",
-                                      weight_name="vocab_embedding.weight",
-                                      plugin=self.p.weight_only_quant_matmul_plugin,
-                                      kernel=self.p.engine_kernels_plugin, accuracy_level=self.scheme.accuracy_level)
-            shared_table = table if tied else None
-        elif (tied or own_table) and self.bf16_head:   # lm_head's bfloat16 table (at tp 1 stored once for both)
-            hidden = bf16_gather(g, embedding, ec.INPUT_IDS, name="/model/embed_tokens",
-                                 weight_name="vocab_embedding.weight")
-        elif float_tiles:   # lm_head's float32 tiles, stored once for both
-            tiles = g.weight("vocab_embedding.weight", quant_matmul.pack_float(embedding))
-            hidden = quant_matmul.float_gather(g.scope("/model/embed_tokens"), tiles, ec.INPUT_IDS, embedding.shape[1])
-        else:
-            hidden = g.node("Gather", [g.weight("vocab_embedding.weight", embedding), ec.INPUT_IDS],
-                            name="/model/embed_tokens/Gather", axis=0)
+        hidden, head = self.embed()
         if m.embedding_multiplier != 1.0:
             # Gemma multiplies by sqrt(hidden_size) rounded to the compute dtype, as transformers does.
             hidden = g.node("Mul", [hidden, g.const(m.embedding_multiplier, np.float32)],
@@ -365,35 +327,7 @@ class _Builder:
         last = g.node("Gather", [pending, ec.LOGITS_INDICES], name="/model/logits_rows/Gather_1", axis=0)
         normed, _ = add_rms_norm(g, last, rows, self.norm_weight("final_norm.weight"), m.norm_eps,
                                  name="/model/norm", weight_name="final_norm.weight", plugin=self.p.rmsnorm_plugin)
-        del embedding
-        lm_scheme = self.head_scheme if self.head_quantized else None
-        if shared_table is not None:
-            logits = quantized_linear(g, normed, shared_table, None, name="/lm_head",
-                                      weight_name="vocab_embedding.weight", accuracy_level=self.scheme.accuracy_level,
-                                      plugin=self.p.weight_only_quant_matmul_plugin, shared=True,
-                                      kernel=self.p.engine_kernels_plugin)
-        elif tied and self.bf16_head:
-            logits = bf16_linear(g, normed, None, name="/lm_head", weight_name="vocab_embedding.weight",
-                                 n=m.vocab_size)
-        elif float_tiles:
-            logits = quant_matmul.float_node(g.scope("/lm_head"), normed, "vocab_embedding.weight", *table_shape)
-        elif tied:
-            # Gemm reads the embedding [V, H] transposed in place: the tied weight is stored once, not twice.
-            logits = g.node("Gemm", [normed, "vocab_embedding.weight"], name="/lm_head/Gemm", transB=1)
-        elif shared_calibrated is not None:
-            logits = calibrated_linear(g, normed, shared_calibrated, None, name="/lm_head", weight_name="lm_head.weight",
-                                       plugin=self.p.weight_only_quant_matmul_plugin,
-                                       accuracy_level=self.q.accuracy_level or 0, shared=True,
-                                       kernel=self.p.engine_kernels_plugin)
-        elif self.calibrated and self.q.quantize_lm_head:
-            logits = self.proj(normed, "lm_head.weight", "/lm_head")
-        elif self.bf16_head:
-            head = self.take("lm_head.weight")
-            logits = bf16_linear(g, normed, head, name="/lm_head", weight_name="lm_head.weight", n=head.shape[0])
-        else:
-            logits = linear(g, normed, self.take("lm_head.weight"), None, name="/lm_head",
-                            weight_name="lm_head.weight", scheme=lm_scheme,
-                            plugin=self.p.weight_only_quant_matmul_plugin, kernel=self.p.engine_kernels_plugin)
+        logits = self.lm_head(normed, head)
         if m.final_logit_softcap:
             cap = g.const(m.final_logit_softcap, np.float32)
             logits = g.node("Mul", [g.node("Tanh", [g.node("Div", [logits, cap], name="/lm_head/softcap/Div")],
