@@ -207,13 +207,15 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
                k / p.group, block_bytes(p.bits, p.group), tiles, 0, 0, p.offsets, p.swiglu && !staged};
-  // A lone row is spread over ~8 items of tiles. Many rows take whole row chunks of up to 4 tiles, fewer where that
-  // would cut the call into under kShareItems items (the AMX tiles keep 4): two threads sharing 9 items run 5 and 4,
-  // and a 32-decode step's o_proj, down and q|k|v projections had 9, 9 and 15 (bench/NOTES.md entry 48). The SwiGLU
-  // items keep whole blocks of the next projection, which they quantize.
+  // A lone row is spread over ~8 items of tiles, or ~32 of float32 tiles (4-8x the bytes of 8- and 4-bit ones), so
+  // the threads end a 576-column projection within one 36 KB tile of each other (a float32 decode step 1.01-1.02x;
+  // the 4-bit one took 0.98x from the finer cut: bench/NOTES.md entry 50). Many rows take whole row chunks of up to
+  // 4 tiles, fewer where that would cut the call into under kShareItems items (the AMX tiles keep 4): two threads
+  // sharing 9 items run 5 and 4, and a 32-decode step's o_proj, down and q|k|v projections had 9, 9 and 15 (entry
+  // 48). The SwiGLU items keep whole blocks of the next projection, which they quantize.
   const bool quantizes_next = quantized.after != nullptr && quantized.after->bits != kFloatBits;
   const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk, g = quantizes_next ? quantized.after->group : 0;
-  job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / 8, 1, 4) : 4;
+  job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / (floats ? 32 : 8), 1, 4) : 4;
   // float32 items keep pairs of tiles, whose rows share x's broadcasts (float_tiles.h float_pair)
   const int64_t least = job.swiglu && g >= kLanes && g % kLanes == 0 ? std::min<int64_t>(4, g / kLanes)
                         : floats && !job.swiglu ? 2 : 1;
