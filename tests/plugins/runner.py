@@ -8,6 +8,7 @@ optimized with, so ORT's own fusions are exercised too.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -64,3 +65,13 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-5, a
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert np.all(np.isfinite(actual)), "non-finite values in the output"
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def library_without(monkeypatch, tmp_path: Path, *flags: str) -> Path:
+    """The kernel library compiled with `flags` added to the current ones (a narrower CPU's build, e.g.
+    "-mno-avx2") into tmp_path; the ops a test runs after this load it."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, *flags])
+    library = native.library()
+    assert library.is_relative_to(tmp_path)
+    return library

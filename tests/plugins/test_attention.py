@@ -12,11 +12,10 @@ import pytest
 
 from engine.core.config import RopeConfig
 from engine.core.errors import EngineError
-from engine.plugins import native
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.rotary import rotary_tables
 
-from .runner import assert_close, node_names, run_op
+from .runner import assert_close, library_without, node_names, run_op
 
 BLOCK = 4   # tokens per block: small, so contexts span many scattered blocks
 
@@ -159,10 +158,8 @@ def test_kernel_on_narrower_cpus_computes_the_same(steps, flags, tmp_path, monke
     step = make_step(np.random.default_rng(12), STEPS[steps], 3, 64, 9)
     graph = attention_graph(9, 3, 64, 0.125, None, "kernel")
     native_build = run_op(graph, step.feeds, threads=2)
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, *flags])
+    library_without(monkeypatch, tmp_path, *flags)
     narrow = run_op(graph, step.feeds, threads=2)
-    assert native.library().is_relative_to(tmp_path)
     assert_close(narrow, native_build)
     assert_close(narrow, reference(step, 9, 3, 64, 0.125, None))
 

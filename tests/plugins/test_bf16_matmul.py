@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from engine.builder.graph import ENGINE_DOMAIN
-from engine.plugins import bf16_matmul, native, quant_matmul
+from engine.plugins import bf16_matmul, quant_matmul
 
-from .runner import assert_close, run_op
+from .runner import assert_close, library_without, run_op
 
 
 def weight(n: int, k: int, seed: int) -> np.ndarray:
@@ -63,14 +63,12 @@ def test_many_rows_on_amx_match_the_reference(tokens, k, n):
 @pytest.mark.skipif(not AMX_BF16, reason="this CPU has no AMX bfloat16 tiles: the vector code runs every call")
 def test_vector_rows_without_amx_match_the_reference(tmp_path, monkeypatch):
     """The library built without AMX-BF16 takes every row count through the vector code (4 rows sharing loads)."""
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-amx-bf16"])
+    library_without(monkeypatch, tmp_path, "-mno-amx-bf16")
     for tokens in (4, 9, 70):
         x = np.random.default_rng(tokens).standard_normal((tokens, 576)).astype(np.float32)
         w = weight(40, 576, tokens)
         want = bf16_matmul.reference(x, w)
         assert_close(bf16_matmul_op(x, w), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-    assert native.library().is_relative_to(tmp_path)
 
 
 def test_cpus_without_bf16_dot_products_compute_the_same(tmp_path, monkeypatch):
@@ -78,10 +76,8 @@ def test_cpus_without_bf16_dot_products_compute_the_same(tmp_path, monkeypatch):
     x = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32)
     w = weight(40, 96, 6)
     vector = bf16_matmul_op(x, w)
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512bf16", "-mno-amx-bf16"])
+    library_without(monkeypatch, tmp_path, "-mno-avx512bf16", "-mno-amx-bf16")
     plain = bf16_matmul_op(x, w)
-    assert native.library().is_relative_to(tmp_path)
     assert_close(plain, vector, rtol=1e-6, atol=1e-6 * float(np.abs(vector).max()))
 
 

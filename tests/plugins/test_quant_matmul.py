@@ -12,7 +12,7 @@ from engine.plugins.linear import quantized_linear
 from engine.quantization.weight_only import (QuantizedWeight, WeightOnlyScheme, block_grid, dequantize, quantize,
                                              unpack)
 
-from .runner import assert_close, run_op
+from .runner import assert_close, library_without, run_op
 
 
 def q4_1_weight(n: int, k: int, seed: int) -> QuantizedWeight:
@@ -118,10 +118,8 @@ def test_narrower_cpus_compute_the_same(tmp_path, monkeypatch, without):
     x = np.random.default_rng(11).standard_normal((6, 256)).astype(np.float32)
     weights = [WEIGHTS[name](40, 256) for name in sorted(WEIGHTS)]
     vector = [quant_matmul_op(x, q) for q in weights]
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, without])
+    library_without(monkeypatch, tmp_path, without)
     narrower = [quant_matmul_op(x, q) for q in weights]
-    assert native.library().is_relative_to(tmp_path)
     for a, b in zip(narrower, vector):
         assert_close(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
 
@@ -154,12 +152,11 @@ def test_amx_rows_equal_the_vnni_code(tmp_path, monkeypatch, tokens):
     of 32 and of 64 / 128 (two tile products a block), a partial last tile."""
     x = np.random.default_rng(tokens).standard_normal((tokens, 256)).astype(np.float32)
     weights = [WEIGHTS[name](40, 256) for name in sorted(WEIGHTS)]
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-amx-bf16"])
-    assert ctypes.CDLL(str(native.library())).EngineQuantMatMulBf16Rows() == 0
+    no_amx_bf16 = library_without(monkeypatch, tmp_path, "-mno-amx-bf16")
+    assert ctypes.CDLL(str(no_amx_bf16)).EngineQuantMatMulBf16Rows() == 0
     amx = [quant_matmul_op(x, q) for q in weights]
-    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-amx-tile", "-mno-amx-int8"])
-    assert ctypes.CDLL(str(native.library())).EngineQuantMatMulAmx() == 0
+    no_amx = library_without(monkeypatch, tmp_path, "-mno-amx-tile", "-mno-amx-int8")
+    assert ctypes.CDLL(str(no_amx)).EngineQuantMatMulAmx() == 0
     for a, b in zip(amx, [quant_matmul_op(x, q) for q in weights]):
         np.testing.assert_array_equal(a, b)
 
