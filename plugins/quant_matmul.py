@@ -86,10 +86,11 @@ def unpack_float(tiles: np.ndarray, n: int) -> np.ndarray:
     return values.transpose(0, 2, 1).reshape(count * LANES, k)[:n]
 
 
-def float_node(op: Scope, x: str, tiles: str, n: int, k: int) -> str:
+def float_node(op: Scope, x: str, tiles: str, n: int, k: int, **attributes) -> str:
     """x [T, K] @ W^T for a float32 weight [N, K] placed as its float32 tiles (pack_float) in initializer `tiles`:
-    the engine's QuantMatMul with bits=32."""
-    return op("QuantMatMul", [x, tiles], domain=ENGINE_DOMAIN, N=n, bits=FLOAT_BITS, group_size=k, offsets=0)
+    the engine's QuantMatMul with bits=32 (`attributes`: its others, e.g. swiglu=1)."""
+    return op("QuantMatMul", [x, tiles], domain=ENGINE_DOMAIN, N=n, bits=FLOAT_BITS, group_size=k, offsets=0,
+              **attributes)
 
 
 def float_gather(op: Scope, tiles: str, indices: str, hidden: int) -> str:

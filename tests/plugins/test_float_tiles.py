@@ -3,7 +3,7 @@ float64 product, in every pass shape, on each vector code, and in every fused fo
 import numpy as np
 import pytest
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph
+from engine.builder.graph import Graph
 from engine.plugins import native, quant_matmul
 from engine.plugins.linear import linear
 
@@ -19,10 +19,8 @@ def weight(n: int, k: int, seed: int) -> np.ndarray:
 
 
 def projection(g, x: str, w: np.ndarray, stem: str, **extra) -> str:
-    n, k = w.shape
-    return g.scope(f"/{stem}")("QuantMatMul", [x, g.weight(f"{stem}.weight", quant_matmul.pack_float(w))],
-                               domain=ENGINE_DOMAIN, N=n, bits=quant_matmul.FLOAT_BITS, group_size=k, offsets=0,
-                               **extra)
+    tiles = g.weight(f"{stem}.weight", quant_matmul.pack_float(w))
+    return quant_matmul.float_node(g.scope(f"/{stem}"), x, tiles, *w.shape, **extra)
 
 
 def float_op(x: np.ndarray, w: np.ndarray, **run) -> np.ndarray:
