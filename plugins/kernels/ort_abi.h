@@ -45,6 +45,7 @@ enum Slot : int {
   kGetKeyValue = 297,                 // since version 22 (ORT 1.22)
   kReleaseKeyValuePairs = 300,        // since version 22
   kKernelInfoGetConfigEntries = 391,  // since version 24 (ORT 1.24)
+  kGetTensorElementTypeAndShapeDataReference = 414,  // since version 24: the last slot of that table
 };
 
 // ONNXTensorElementDataType values.
@@ -55,7 +56,8 @@ struct OrtApiBase {
   const char* (*GetVersionString)();
 };
 
-// The OrtApi table again where it has KernelInfo_GetConfigEntries (version 24, ORT 1.24), set by RegisterCustomOps.
+// The OrtApi table again where it has KernelInfo_GetConfigEntries and GetTensorElementTypeAndShapeDataReference
+// (version 24, ORT 1.24), set by RegisterCustomOps.
 inline void* const* g_api24 = nullptr;
 
 // The session config entry runtime/session.py sets on engines whose EngineConfig.thread_pool is "engine": how many
@@ -115,13 +117,26 @@ struct Tensor {
   std::vector<int64_t> shape;
 };
 
+// A tensor's data and shape. From ORT 1.24 the shape is read in place (GetTensorElementTypeAndShapeDataReference)
+// rather than through a type-and-shape object ORT allocates and frees: one call instead of four, where a SmolLM2
+// decode step reads ~630 inputs with the caches cold from its weight streams (bench/NOTES.md entry 52).
 inline Tensor describe(const Api& api, OrtValue* value) {
   using GetData = OrtStatus* (*)(OrtValue*, void**);
   using GetTypeShape = OrtStatus* (*)(const OrtValue*, OrtTypeShape**);
   using GetCount = OrtStatus* (*)(const OrtTypeShape*, size_t*);
   using GetDims = OrtStatus* (*)(const OrtTypeShape*, int64_t*, size_t);
+  using GetShapeReference = OrtStatus* (*)(const OrtValue*, int*, const int64_t**, size_t*);
   Tensor t;
   api.call<GetData>(kGetTensorMutableData, value, &t.data);
+  if (g_api24 != nullptr) {
+    int type = 0;
+    const int64_t* dims = nullptr;
+    size_t rank = 0;
+    api.check(reinterpret_cast<GetShapeReference>(g_api24[kGetTensorElementTypeAndShapeDataReference])(
+        value, &type, &dims, &rank));
+    t.shape.assign(dims, dims + rank);
+    return t;
+  }
   OrtTypeShape* info = nullptr;
   api.call<GetTypeShape>(kGetTensorTypeAndShape, static_cast<const OrtValue*>(value), &info);
   size_t rank = 0;
@@ -233,7 +248,9 @@ inline T* output(const Api& api, OrtKernelContext* context, size_t index, const 
   using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
   OrtValue* value = nullptr;
   api.call<GetOutput>(kKernelContextGetOutput, context, index, shape.data(), shape.size(), &value);
-  return static_cast<T*>(describe(api, value).data);
+  void* data = nullptr;  // its data only: its shape is the one just asked for
+  api.call<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData, value, &data);
+  return static_cast<T*>(data);
 }
 
 // An input or attribute the op cannot take: std::invalid_argument naming the op, which ORT reports as the run's
