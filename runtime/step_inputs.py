@@ -62,6 +62,8 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_wind
         raise EngineError(f"sequence chunk {lengths.index(min(lengths))} has no tokens; every chunk needs at least one")
     if min(starts) < 0:
         raise EngineError(f"start_pos {min(starts)} is negative")
+    if lengths == [1]:
+        return _lone_decode_inputs(chunks[0], tokens_per_block, sliding_window)
     q_len, start = np.array(lengths, dtype=np.int64), np.array(starts, dtype=np.int64)
     ctx_len = start + q_len
     num_seqs, total = len(chunks), sum(lengths)
@@ -71,14 +73,41 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_wind
     width = int(need.max())
     tables = np.zeros((num_seqs, width), dtype=np.int64)
     for b, c in enumerate(chunks):
-        n = int(need[b])
-        if len(c.block_table) < n:
-            raise EngineError(f"sequence chunk {b} has {len(c.block_table)} blocks for {int(ctx_len[b])} tokens; "
-                              f"it needs {n} blocks of {tokens_per_block} tokens")
-        tables[b, :n] = np.asarray(c.block_table[:n], dtype=np.int64)
+        tables[b, :int(need[b])] = _block_table(b, c, int(ctx_len[b]), tokens_per_block)
     if total == num_seqs:
         return _decode_inputs(chunks, start, ctx_len, tables, tokens_per_block, sliding_window)
     return _packed_inputs(chunks, q_len, start, tables, tokens_per_block, sliding_window, max_rows)
+
+
+def _block_table(b: int, chunk: SeqChunk, ctx_len: int, tokens_per_block: int) -> np.ndarray:
+    """The blocks covering sequence chunk b's ctx_len positions, or an EngineError when its table is too short."""
+    n = -(-ctx_len // tokens_per_block)
+    if len(chunk.block_table) < n:
+        raise EngineError(f"sequence chunk {b} has {len(chunk.block_table)} blocks for {ctx_len} tokens; "
+                          f"it needs {n} blocks of {tokens_per_block} tokens")
+    return np.asarray(chunk.block_table[:n], dtype=np.int64)
+
+
+def _lone_decode_inputs(chunk: SeqChunk, tokens_per_block: int, sliding_window: int | None) -> dict[str, np.ndarray]:
+    """_decode_inputs for a step of one decode (batch-1 generation, the latency case) from half its NumPy calls:
+    every key of the one row is visible, and the row's indices are all 0. With the caches cold from a float32
+    SmolLM2 step's weight streams, make_step_inputs took 81 us a step, 49 on this path (bench/NOTES.md entry 52)."""
+    p = chunk.start_pos
+    table = _block_table(0, chunk, p + 1, tokens_per_block)
+    kv_slots = ((table * tokens_per_block)[:, None] + np.arange(tokens_per_block)).reshape(1, -1)[:, :p + 1]
+    inputs = {
+        INPUT_IDS: np.array([chunk.token_ids[0]], dtype=np.int64),
+        POSITIONS: np.array([p], dtype=np.int64),
+        SLOT_MAPPING: kv_slots[0, p:],
+        Q_INDEX: np.zeros((1, 1), dtype=np.int64),
+        KV_SLOTS: kv_slots,
+        ATTN_MASK: np.ones((1, 1, 1, p + 1), dtype=bool),
+        OUT_INDEX: np.zeros(1, dtype=np.int64),
+        LOGITS_INDICES: np.zeros(int(chunk.want_logits), dtype=np.int64),
+    }
+    if sliding_window:
+        inputs[ATTN_MASK_SLIDING] = (np.arange(p + 1) > p - sliding_window)[None, None, None, :]
+    return inputs
 
 
 def _decode_inputs(chunks: list[SeqChunk], start: np.ndarray, ctx_len: np.ndarray, tables: np.ndarray,
