@@ -66,7 +66,7 @@ def split_step(events: np.ndarray, start: int, end: int) -> dict[str, float]:
     last_exit, op, op_start, call_start, call_bytes, in_calls = start, None, 0, 0, 0, 0
     for ns, kind, value in events.tolist():
         if kind == OP_ENTER:
-            parts["ort: between ops"] += (ns - last_exit) / 1e3
+            parts["ort: run start to first op" if op is None else "ort: between ops"] += (ns - last_exit) / 1e3
             op, op_start, in_calls = OPS.get(value, f"op {value}"), ns, 0
             parts[f"{op}: count"] += 1
         elif kind == CALL_BYTES:
@@ -81,7 +81,7 @@ def split_step(events: np.ndarray, start: int, end: int) -> dict[str, float]:
         elif kind == OP_EXIT:
             parts[f"{op}: serial work"] += (ns - op_start - in_calls) / 1e3
             last_exit = ns
-    parts["ort: between ops"] += (end - last_exit) / 1e3
+    parts["ort: last op to run end"] += (end - last_exit) / 1e3
     return parts
 
 
@@ -133,7 +133,7 @@ def report(a: argparse.Namespace, steps: list[dict[str, float]]) -> None:
         s["streamed bytes, all ops"] = sum(v for k, v in s.items() if k.endswith(": streamed bytes"))
         s["the rest of the step"] = s["step (ORT run to ORT run)"] - s["weight streams, all ops"]
     first = ["step (ORT run to ORT run)", "weight streams, all ops", "the rest of the step", "python between ORT runs",
-             "ort: between ops"]
+             "ort: run start to first op", "ort: between ops", "ort: last op to run end"]
     keys = first + sorted({k for s in steps for k in s} - set(first))
     median = {k: float(np.median([s.get(k, 0.0) for s in steps])) for k in keys}
     table = Table(title=f"{a.engine_dir.name}: a decode step after 512 prompt tokens, median of {len(steps)} steps")
@@ -149,8 +149,8 @@ def report(a: argparse.Namespace, steps: list[dict[str, float]]) -> None:
             note = f"{mb:.1f} MB at {mb / median[k] * 1e3:.1f} GB/s"
         elif k.endswith("serial work"):
             note = f"{median[k.replace('serial work', 'count')]:.0f} ops"
-        elif k == "ort: between ops":
-            note = "ORT's own nodes, dispatch, run start and end"
+        elif k.startswith("ort:"):
+            note = "ORT: its own nodes and dispatch"
         table.add_row(k, f"{median[k]:.1f}", note)
     Console().print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
