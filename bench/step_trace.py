@@ -90,8 +90,10 @@ def main() -> None:
     ap.add_argument("--engine-dir", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--library", type=Path, help="a library built with the trace already (a variant's, as "
+                    "bench/kernel_ab.py builds them, with -DENGINE_KERNELS_TRACE); default: built from the sources")
     a = ap.parse_args()
-    path = traced_library()
+    path = a.library or traced_library()
     native.library = lambda: path
     prompt = json.loads(PROMPT.read_text())["ids"][:512]
     tokens_per_block = load_engine_config(a.engine_dir).build.tokens_per_block

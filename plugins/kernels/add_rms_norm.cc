@@ -23,6 +23,7 @@ struct NormKernel {
 };
 
 void compute(void* opaque, OrtKernelContext* context) {
+  const TracedOp traced(kTraceAddRMSNorm);
   const auto& kernel = *static_cast<NormKernel*>(opaque);
   const std::vector<Tensor> in = inputs(kernel.api, context, 3);
   const auto &x = in[0], &residual = in[1], &weight = in[2];

@@ -143,6 +143,7 @@ void amx_item(void* opaque, size_t i) {
 #endif
 
 void compute(void* opaque, OrtKernelContext* context) {
+  const TracedOp traced(kTraceBf16MatMul);
   const auto& kernel = *static_cast<Bf16Kernel*>(opaque);
   const std::vector<Tensor> in = inputs(kernel.api, context, 2);
   const auto &x = in[0], &w = in[1];

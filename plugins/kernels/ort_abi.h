@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "spin_pool.h"
+#include "step_trace.h"
 
 namespace engine_kernels {
 
@@ -220,15 +221,15 @@ inline void* g_parallel_for = nullptr;
 // ParallelFor.
 inline void parallel_for(const Api& api, OrtKernelContext* context, size_t items, void (*fn)(void*, size_t),
                          void* data) {
-  if (api.pool()) {
-    api.pool()->run(items, fn, data);
-    return;
-  }
+  trace(kCallEnter, items);
   using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
-  if (g_parallel_for)
+  if (api.pool())
+    api.pool()->run(items, fn, data);
+  else if (g_parallel_for)
     api.check(reinterpret_cast<ParallelFor>(g_parallel_for)(context, fn, items, 0, data));
   else
     for (size_t i = 0; i < items; ++i) fn(data, i);
+  trace(kCallExit, items);
 }
 
 inline std::vector<Tensor> inputs(const Api& api, OrtKernelContext* context, size_t count) {

@@ -341,6 +341,7 @@ void compute_op(const Kernel& k, OrtKernelContext* context) {
 }
 
 void kernel_compute(void* opaque, OrtKernelContext* context) {
+  const TracedOp traced(kTraceAttention);
   const auto& k = *static_cast<Kernel*>(opaque);
   if (k.pool_type == kFloat) compute_op<float>(k, context);
   else if (k.pool_type == kFloat16) compute_op<_Float16>(k, context);

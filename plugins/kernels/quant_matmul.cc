@@ -227,6 +227,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   if (bf16) {
     size_bf16_rows(job);
     parallel_for(api, context, static_cast<size_t>(bf16_groups(tokens)), pack_bf16, &job);
+    trace(kCallBytes, static_cast<uint64_t>(tiles * job.groups * job.block_bytes));
     parallel_for(api, context, bf16_item_count(job), bf16_items, &job);
     return false;
   }
@@ -247,6 +248,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     size_packed_rows(job);
     parallel_for(api, context, static_cast<size_t>(tokens / kAmxRows), pack_rows, &job);
   }
+  trace(kCallBytes, static_cast<uint64_t>(tiles * job.groups * job.block_bytes));  // the weights the call streams
   parallel_for(api, context, static_cast<size_t>(row_chunks * job.tile_items), matmul_item, &job);
   if (!staged) return job.next != nullptr;
   SwigluRows rows{projection.data(), out, p.n / 2};
@@ -284,6 +286,8 @@ void add_norm(const QuantKernel& kernel, OrtKernelContext* context, const Tensor
 // Inputs x, weights[, down weights][, residual, norm weight]; outputs y, or normed and total.
 void compute(void* opaque, OrtKernelContext* context) {
   const auto& kernel = *static_cast<QuantKernel*>(opaque);
+  const TracedOp traced(kernel.mlp ? (kernel.add_norm ? kTraceQuantMLPAddRMSNorm : kTraceQuantMLP)
+                                   : (kernel.add_norm ? kTraceQuantMatMulAddRMSNorm : kTraceQuantMatMul));
   const std::vector<Tensor> in = inputs(kernel.api, context, 2 + kernel.mlp + 2 * kernel.add_norm);
   const auto &x = in[0], &w = in[1];
   require(x.shape.size() == 2, kName, "x must be [T, K]");
@@ -350,6 +354,7 @@ void gather_row(void* opaque, size_t t) {
 }
 
 void gather_compute(void* opaque, OrtKernelContext* context) {
+  const TracedOp traced(kTraceQuantGather);
   const auto& kernel = *static_cast<QuantKernel*>(opaque);
   const std::vector<Tensor> in = inputs(kernel.api, context, 2);
   const auto &w = in[0], &ids = in[1];

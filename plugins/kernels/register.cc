@@ -8,6 +8,14 @@ using engine_kernels::OrtCustomOpDomain;
 using engine_kernels::OrtSessionOptions;
 using engine_kernels::OrtStatus;
 
+#ifdef ENGINE_KERNELS_TRACE
+// The trace's events so far (step_trace.h), emptying it: bench/step_trace.py's reader.
+extern "C" __attribute__((visibility("default"))) size_t EngineKernelsTrace(engine_kernels::TraceEvent* out,
+                                                                           size_t capacity) {
+  return engine_kernels::Trace::get().take(out, capacity);
+}
+#endif
+
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* base) {
   using CreateDomain = OrtStatus* (*)(const char*, OrtCustomOpDomain**);
