@@ -17,6 +17,8 @@ namespace quant {
 
 // How far ahead of its reads a tile's weight stream is prefetched, in k (cache lines): 8 KB, as the quantized tiles
 constexpr int64_t kFloatAhead = 128;
+// A lone row's stream: 4 KB ahead, non-temporal (bench/NOTES.md entry 52).
+constexpr int64_t kLoneAhead = 64;
 
 // 16 float32 lanes: one AVX-512 register, two AVX2 ones, or plain floats.
 #if defined(__AVX512F__)
@@ -83,9 +85,12 @@ constexpr int float_chains() {
 }
 
 // Output rows t0 .. t0 + R - 1 of one tile: out[r, 0 .. cols). `stream`: the tile comes from memory (the first rows
-// of an item) and is prefetched; later rows read it from cache. A lone row's stream is left to the hardware
-// prefetchers: on a Zen 5 prefetching took a 32-decode step of SmolLM2 from 37.4 to 30.6 ms, while at one row
-// neither way stood out of the VM's noise (bench/NOTES.md entry 49).
+// of an item) and is prefetched; later rows read it from cache. On a Zen 5 prefetching took a 32-decode step of
+// SmolLM2 from 37.4 to 30.6 ms (bench/NOTES.md entry 49). A lone row (a batch-1 decode) prefetches with the
+// non-temporal hint instead, 4 KB ahead: the float32 step ran 1.04x faster, at ~80 GB/s and at ~50, and the parts
+// bench/step_trace.py sees beside the weight streams (attention's KV reads, Python between steps) sped up with
+// them, as if the ~540 MB a step no longer evicted their data (entry 52). prefetcht0 4 KB ahead took the step
+// 0.92x, and NTA 16 KB ahead 0.95x.
 template <int R>
 void float_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, bool stream) {
   constexpr int kChains = float_chains<R>();
@@ -101,6 +106,7 @@ void float_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const
     ENGINE_UNROLL
     for (int c = 0; c < kChains; ++c) {
       if (R > 1 && stream) __builtin_prefetch(w + (k + c + kFloatAhead) * kLanes, 0, 3);
+      if (R == 1 && stream) __builtin_prefetch(w + (k + c + kLoneAhead) * kLanes, 0, 0);
       const Lanes wk = Lanes::load(w + (k + c) * kLanes);
       ENGINE_UNROLL
       for (int r = 0; r < R; ++r) acc[r][c].fma(wk, x + r * j.k + k + c);
