@@ -41,14 +41,16 @@ inline int64_t partial_size(const Shapes& s) { return s.heads * (s.hd + 2); }
 // The rows base + keys[i] (`bytes` each) read into the cache, a load per 64-byte line in address order, while the
 // rows ahead + ahead_keys[i], i < ahead_n, are prefetched into L1 (a prefetch never faults). A chunk's rows (12 KB of
 // float16 K or V for SmolLM2) fit beside the other's in L1; prefetched into L2 only (prefetcht2), the 32-decode step
-// ran 2-4% slower on a Zen 5, the staging loads then waiting on L2 (bench/NOTES.md entry 45).
+// ran 2-4% slower on a Zen 5, the staging loads then waiting on L2 (bench/NOTES.md entry 45). The prefetch is
+// non-temporal (into L1, not kept in the outer caches when evicted): a float32 batch-1 decode step, ~27 MB of KV
+// at 576 keys, ran 1.01-1.03x faster than with prefetcht0, and the 32-decode steps no slower (entry 52).
 template <typename P>
 inline void stage(const P* base, const int64_t* keys, int64_t n, int64_t bytes, const P* ahead = nullptr,
                   const int64_t* ahead_keys = nullptr, int64_t ahead_n = 0) {
   for (int64_t i = 0; i < n; ++i) {
     if (i < ahead_n) {
       const char* row = reinterpret_cast<const char*>(ahead + ahead_keys[i]);
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
     }
     const volatile char* row = reinterpret_cast<const volatile char*>(base + keys[i]);
     for (int64_t b = 0; b < bytes; b += 64) (void)row[b];
