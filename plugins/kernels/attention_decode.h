@@ -20,6 +20,8 @@
 // loops.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstring>
 
 #include "attention_math.h"
@@ -41,16 +43,20 @@ inline int64_t partial_size(const Shapes& s) { return s.heads * (s.hd + 2); }
 // The rows base + keys[i] (`bytes` each) read into the cache, a load per 64-byte line in address order, while the
 // rows ahead + ahead_keys[i], i < ahead_n, are prefetched into L1 (a prefetch never faults). A chunk's rows (12 KB of
 // float16 K or V for SmolLM2) fit beside the other's in L1; prefetched into L2 only (prefetcht2), the 32-decode step
-// ran 2-4% slower on a Zen 5, the staging loads then waiting on L2 (bench/NOTES.md entry 45). The prefetch is
-// non-temporal (into L1, not kept in the outer caches when evicted): a float32 batch-1 decode step, ~27 MB of KV
-// at 576 keys, ran 1.01-1.03x faster than with prefetcht0, and the 32-decode steps no slower (entry 52).
+// ran 2-4% slower on a Zen 5, the staging loads then waiting on L2 (bench/NOTES.md entry 45). With nta the prefetch
+// is non-temporal (into L1, not kept in the outer caches when evicted): a float32 batch-1 decode step, ~27 MB of KV
+// at 576 keys, ran 1.01-1.03x faster than with prefetcht0, and the 32-decode steps no slower (entry 52). That only
+// holds while the two chunks fit L1 (nta_fits): a prefetched row evicted before its use is read from memory again.
 template <typename P>
-inline void stage(const P* base, const int64_t* keys, int64_t n, int64_t bytes, const P* ahead = nullptr,
+inline void stage(bool nta, const P* base, const int64_t* keys, int64_t n, int64_t bytes, const P* ahead = nullptr,
                   const int64_t* ahead_keys = nullptr, int64_t ahead_n = 0) {
   for (int64_t i = 0; i < n; ++i) {
     if (i < ahead_n) {
       const char* row = reinterpret_cast<const char*>(ahead + ahead_keys[i]);
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
+      if (nta)
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
+      else
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
     }
     const volatile char* row = reinterpret_cast<const volatile char*>(base + keys[i]);
     for (int64_t b = 0; b < bytes; b += 64) (void)row[b];
@@ -217,21 +223,31 @@ inline void merge_chunk(float* p, int64_t n, float softcap, int64_t hd, float* r
   running[1] += exp_sum(p, n, top);
 }
 
+// Whether a chunk of K rows and one of V rows of `row_bytes` each fit this CPU's L1 data cache together.
+inline bool nta_fits(int64_t row_bytes) {
+  static const int64_t l1 = [] {
+    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{32} << 10;
+  }();
+  return 2 * kChunk * row_bytes <= l1;
+}
+
 // keys: the pool offsets of the share's n keys; next: the next token's (its first chunk's K rows are prefetched).
 template <class V, typename P>
 void attend_keys(const Shapes& s, float softcap, const float* q, const P* kc, const P* vc, const int64_t* keys,
                  int64_t n, const std::vector<int64_t>& next, float* partial, float* p) {
   const int64_t row_bytes = s.kv_heads * s.hd * static_cast<int64_t>(sizeof(P));
+  const bool nta = nta_fits(row_bytes);
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t count = std::min(kChunk, n - c);
-    stage(kc, keys + c, count, row_bytes, vc, keys + c, count);
+    stage(nta, kc, keys + c, count, row_bytes, vc, keys + c, count);
     chunk_scores<V>(s, q, kc, keys + c, count, p);
     for (int64_t h = 0; h < s.heads; ++h) merge_chunk(p + h * kChunk, count, softcap, s.hd, partial + h * (s.hd + 2));
     // Reading the chunk's V rows prefetches the next chunk's K rows, or after the last chunk the next token's.
     if (c + kChunk < n)
-      stage(vc, keys + c, count, row_bytes, kc, keys + c + kChunk, std::min(kChunk, n - c - kChunk));
+      stage(nta, vc, keys + c, count, row_bytes, kc, keys + c + kChunk, std::min(kChunk, n - c - kChunk));
     else
-      stage(vc, keys + c, count, row_bytes, kc, next.data(),
+      stage(nta, vc, keys + c, count, row_bytes, kc, next.data(),
             std::min<int64_t>(kChunk, static_cast<int64_t>(next.size())));
     chunk_values<V>(s, p, vc, keys + c, count, partial);
   }

@@ -126,16 +126,19 @@ inline void by_kind(const QuantJob& j, F&& f) {
 // The weight stream prefetched kPrefetchBlocks blocks (5-9 KB) ahead of its reads. On a Sapphire Rapids VM the
 // hardware prefetchers alone left one row's projections at ~1/3 of the memory bandwidth: an int4 + lm_head int4
 // decode step 6.4 -> 4.9-5.7 ms with it, int8 9.2 -> 8.7-9.1 (bench/NOTES.md entry 28); on a Zen 4 prefetching had
-// changed nothing (entry 26). A prefetch never faults, so reading ahead past the last tile is harmless. The hint is
-// non-temporal, as a lone float32 row's (float_tiles.h): on a Zen 5 a batch-1 decode step of the int4 engine ran
-// 1.03-1.18x and of the int8 one 1.04-1.07x faster than with prefetcht0, their 32-decode steps 1.00-1.07x, their
-// prefills unchanged (bench/NOTES.md entry 52).
+// changed nothing (entry 26). A prefetch never faults, so reading ahead past the last tile is harmless.
+// Hint: 0 (prefetchnta) for the AVX-512 VNNI tiles, as a lone float32 row's (float_tiles.h): on a Zen 5 a batch-1
+// decode step of the int4 engine ran 1.03-1.18x and of the int8 one 1.04-1.07x faster than with prefetcht0, their
+// 32-decode steps 1.00-1.07x, their prefills unchanged (bench/NOTES.md entry 52). 3 (prefetcht0) elsewhere: the
+// AMX tiles of a prefill read each weight tile again for every chunk of rows, and neither they nor the AVX2 tiles
+// could be measured with the hint (no AMX on that machine, and its AVX-512 path runs).
 constexpr int64_t kPrefetchBlocks = 16;
 
+template <int Hint = 3>
 inline void prefetch_block(const uint8_t* block, int64_t block_bytes) {
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(block) + static_cast<uintptr_t>(kPrefetchBlocks * block_bytes);
   for (int64_t line = 0; line < block_bytes; line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(ahead + static_cast<uintptr_t>(line)), 0, 0);
+    __builtin_prefetch(reinterpret_cast<const void*>(ahead + static_cast<uintptr_t>(line)), 0, Hint);
 }
 
 // q of column c (0..15) at k = kk (0..31) of one sub-block's bytes, as quant_matmul.cc's header comment lays them out.
@@ -226,7 +229,7 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < j.groups; ++b) {
     const uint8_t* header = p;
-    if (stream) prefetch_block(header, j.block_bytes);
+    if (stream) prefetch_block<0>(header, j.block_bytes);
     p += kHeader;
     __m512i dot[R][kChains];
     ENGINE_UNROLL
