@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/step_trace.py --engine-dir .cache/bench/engines/fp32 [--steps 128] [--threads 2]
 
-Builds the kernel library with -DENGINE_KERNELS_TRACE into a cache of its own, runs the benchmark's 512-token
-prompt and then --steps greedy decode steps on it, as bench/compare.py's engine rows do, and splits each step into:
+Builds the kernel library with -DENGINE_KERNELS_TRACE (beside the usual one in the kernels' cache), runs the
+benchmark's 512-token prompt and then --steps greedy decode steps on it, as bench/compare.py's engine rows do, and
+splits each step into:
   python   between two ORT runs: argmax, the next step's inputs, their bindings, the logits copy
   ort      from the run's start to the first op, between ops, from the last op to the run's end
   each op  its calls to the thread pool that stream weights (with their rate), its other calls (attention's items,
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -45,9 +45,8 @@ class Event(ctypes.Structure):
 
 
 def traced_library() -> Path:
-    """The kernel library compiled with the trace, in its own cache (the usual one is left as it is)."""
-    cache = Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine") / "step-trace"
-    os.environ["ENGINE_CACHE_DIR"] = str(cache)
+    """The kernel library compiled with the trace: the flag is part of native.library()'s digest, so it gets a
+    directory of its own beside the usual library, which stays as it is."""
     native.FLAGS = [*native.FLAGS, "-DENGINE_KERNELS_TRACE"]
     return native.library()
 
