@@ -29,7 +29,7 @@ from engine.core.config import DTYPES, Mapping, ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, EngineConfig, PluginConfig, engine_file
 from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
-from engine.plugins import quant_matmul
+from engine.plugins import native, quant_matmul
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, check_gate
 from engine.quantization import calibrated as calib
@@ -94,7 +94,13 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
     precision = {"checkpoint": ckpt.dtype, "weights": "float32", "activations": "float32",
                  "kv_cache": build.kv_cache_dtype, "logits": "float32", **({"note": note} if note else {})}
     tied = ckpt.model.tie_word_embeddings and build.tp_size == 1
-    if quant is not None and quant.mode in calib.CALIBRATED and not quant.source_grid:
+    if quant is not None and quant.mode == modes.GGUF:
+        kinds = sorted(set(quant.formats.values()))
+        precision.update({
+            "weights": f"the GGUF file's blocks kept exactly ({', '.join(kinds)}: {len(quant.formats)} tensors; "
+                       "engine inspect lists them), the rest float32",
+            "activations": "float32; int8 per block of 32 inside QuantMatMul (as llama.cpp's Q8 blocks)"})
+    elif quant is not None and quant.mode in calib.CALIBRATED and not quant.source_grid:
         precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head))
     elif quant is not None and quant.mode is not None:   # weight-only, or int4_awq keeping the checkpoint's blocks
         bits = 4 if quant.source_grid else BITS[quant.mode]
@@ -158,6 +164,8 @@ def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig
     tensorrt_quant.tensorrt_quant). int4_wo and int4_awq at group 32 (asked for, or no group asked for) keep a
     checkpoint's 4-bit blocks when every layer holds them: they are exact, and neither RTN nor AWQ's scale search
     can come closer to the checkpoint than exact; int4_awq then calibrates lm_head only (with quantize_lm_head)."""
+    if requested.mode == modes.GGUF:
+        return _resolve_gguf(requested, ckpt_dir, ckpt, tp, backend, kernels)
     if backend == "tensorrt":
         requested = trtq.tensorrt_quant(requested, ckpt.model, tp)
     requested = modes.resolve_lm_head_dtype(requested, ckpt.model, backend=backend, kernels=kernels)
@@ -167,6 +175,32 @@ def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig
     if not _layers_on_block_grid(ckpt_dir, ckpt):
         return quant
     return dataclasses.replace(quant, group_size=GRID_GROUP, source_grid=True)
+
+
+def _resolve_gguf(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig, tp: int, backend: str,
+                  kernels: bool) -> QuantConfig:
+    """--dtype gguf: the checkpoint's kept GGUF blocks, run on the engine's kernels (plugins/gguf_tiles.py)."""
+    quant = modes.resolve(modes.resolve_lm_head_dtype(requested, ckpt.model, backend=backend, kernels=kernels),
+                          ckpt.model, tp)
+    if backend != "onnxruntime" or not kernels or not native.has_int8_dot():
+        why = (f"the backend is {backend}" if backend != "onnxruntime" else
+               "--engine-kernels-plugin is disabled" if not kernels else
+               "this CPU has neither AVX-512 VNNI nor AVX2, which they are written for")
+        raise EngineError(f"--dtype gguf runs the GGUF blocks on the engine's own onnxruntime kernels, and {why}; "
+                          "build another --dtype (int4_wo, int8_wo, float32)", usage=True)
+    formats = gguf_formats(ckpt_dir, ckpt)
+    if not formats:
+        raise EngineError(f"--dtype gguf keeps the quantized blocks of a checkpoint converted from a GGUF file "
+                          f"(`engine convert --gguf FILE`, at --tp 1 and --dtype auto); {ckpt_dir} holds none: "
+                          "convert the GGUF file so, or build another --dtype (int4_wo, int8_wo, float32)", usage=True)
+    return dataclasses.replace(quant, formats=formats)
+
+
+def gguf_formats(ckpt_dir: Path, ckpt: CheckpointConfig) -> dict[str, str]:
+    """The checkpoint's tensors kept as GGUF blocks and their kinds (empty for a float checkpoint)."""
+    if ckpt.mapping.tp_size != 1:
+        return {}
+    return rank_tensors(ckpt_dir, ckpt, 1, 0).gguf_kinds()
 
 
 # ---- build ------------------------------------------------------------------------------------------------

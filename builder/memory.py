@@ -24,7 +24,8 @@ from engine.core.config import ModelConfig, QuantConfig
 from engine.core.engine_config import BuildConfig, MemoryPlan, PluginConfig
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
-from engine.plugins import bf16_matmul, quant_matmul
+from engine.core.sharding import PACKED
+from engine.plugins import bf16_matmul, gguf_tiles, quant_matmul
 from engine.quantization import calibrated, kv_cache, modes
 from engine.quantization.weight_only import BITS, stored_bytes
 
@@ -81,6 +82,8 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
         return rank_weight_elements(model, tp, max_seq_len) * compute
     if quant.mode in calibrated.CALIBRATED:
         return _calibrated_bytes(model, tp, max_seq_len, quant, runs_quant_matmul(quant, plugins))
+    if quant.mode == modes.GGUF:
+        return _gguf_bytes(model, max_seq_len, quant)
     head = modes.head_quantization(quant)   # (bits, group) of a quantized lm_head and a tied embedding, or None
     quantized = set(QUANTIZED_PROJECTIONS) | ({"lm_head"} if head else set())
     shapes = logical_shapes(model)
@@ -105,6 +108,19 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
             total += stored_bytes(*rows_cols, bits, group, offsets)
         else:
             total += math.prod(rows_cols) * compute
+    return total
+
+
+def _gguf_bytes(model: ModelConfig, max_seq_len: int, quant: QuantConfig) -> int:
+    """--dtype gguf (tp 1): each tensor kept as GGUF blocks as its tiles (plugins/gguf_tiles.py), stored under its
+    own name or, stacked, under its packed one; the rest float32 (a float table of a tied model stored once)."""
+    compute = DTYPE_BYTES["float32"]
+    total = (rank_weight_elements(model, 1, max_seq_len) - rank_elements(model, 1)) * compute  # rotary tables
+    for name, shape in logical_shapes(model).items():
+        prefix, stem, kind = split_name(name)
+        packed = f"{prefix}{PACKED[stem][0]}.{kind}" if stem in PACKED else name
+        gguf_kind = quant.formats.get(name) or quant.formats.get(packed)
+        total += gguf_tiles.stored_bytes(gguf_kind, *shape) if gguf_kind else math.prod(shape) * compute
     return total
 
 

@@ -64,12 +64,13 @@ from engine.core.parallel import kv_heads_per_rank
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.calibrated_linear import calibrated_linear
 from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp, quant_mlp
+from engine.plugins.gguf_tiles import gguf_linear
 from engine.plugins.linear import linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
 from engine.quantization.calibrated import CALIBRATED
 from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
-from engine.quantization.modes import INT8_HEAD_GROUP
+from engine.quantization.modes import GGUF, INT8_HEAD_GROUP
 from engine.quantization.weight_only import BITS, WeightOnlyScheme
 
 from .graph import MS_DOMAIN, Graph
@@ -102,6 +103,8 @@ class _Builder(VocabTables):
         else:
             self.head_scheme = dataclasses.replace(self.scheme, keep_grid=False) if self.scheme else None
         self.head_quantized = quant.quantize_lm_head or quant.lm_head_dtype == "int8"
+        # --dtype gguf: the weights a GGUF checkpoint keeps as blocks run on their tiles (plugins/gguf_tiles.py)
+        self.gguf = quant.mode == GGUF
         self.bf16_head = quant.lm_head_dtype == "bfloat16"   # lm_head (and a tied embedding) as Bf16MatMul's table
         self.g = Graph()
         self.heads = model.num_heads // tp
@@ -124,6 +127,9 @@ class _Builder(VocabTables):
             return calibrated_linear(self.g, x, w, bias, name=name, weight_name=weight_name,
                                      plugin=self.p.weight_only_quant_matmul_plugin,
                                      accuracy_level=self.q.accuracy_level or 0, kernel=self.p.engine_kernels_plugin)
+        parts = self.t.gguf_parts(weight_name) if self.gguf else None
+        if parts is not None:
+            return gguf_linear(self.g, x, parts, bias, name=name, weight_name=weight_name)
         return linear(self.g, x, self.take(weight_name), bias, name=name, weight_name=weight_name,
                       scheme=self.scheme, plugin=self.p.weight_only_quant_matmul_plugin,
                       kernel=self.p.engine_kernels_plugin)
@@ -141,13 +147,13 @@ class _Builder(VocabTables):
         """
         m, p, g = self.m, self.p, self.g
         calibrated = self.is_calibrated(w + "mlp.gate_up.weight")
-        if self.scheme is None and not calibrated:
+        if self.scheme is None and not calibrated and not self.gguf:
             return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
                              m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin,
                              kernel=p.engine_kernels_plugin)
         op = g.scope(name)
         plugin, kernel = p.weight_only_quant_matmul_plugin, p.engine_kernels_plugin
-        if p.gemm_swiglu_plugin:
+        if p.gemm_swiglu_plugin or self.gguf:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             hidden = gate_times_up(g, op, fused, m.intermediate_size // self.tp, m.activation, kernel=kernel)
             down = self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")

@@ -14,8 +14,9 @@ from safetensors import SafetensorError, safe_open
 from engine.core.artifacts import CheckpointConfig, rank_file
 from engine.core.config import ModelConfig
 from engine.core.errors import EngineError
-from engine.core.sharding import Packer, shard, unpack_and_merge
-from engine.core.tensors import rank_elements
+from engine.core.sharding import PACKED, Packer, shard, unpack_and_merge
+from engine.core.tensors import rank_elements, split_name
+from engine.quantization.gguf_tensor import METADATA_PREFIX, GGUFTensor, from_metadata
 
 _CORRUPT = "the checkpoint is truncated or corrupt — convert the model again with `engine convert`"
 
@@ -38,32 +39,69 @@ def _read_tensor(file, path: Path, name: str) -> torch.Tensor:
 
 
 class _LazyRank(MutableMapping):
-    """The packed tensors of one checkpoint rank, read from its safetensors file only when popped."""
+    """The packed tensors of one checkpoint rank, read from its safetensors file only when popped, as float32
+    arrays; `gguf_parts` gives a GGUF checkpoint's kept blocks as they are (quantization/gguf_tensor.py). A packed
+    tensor stored as its parts (blocks of different kinds) is listed under its packed name."""
 
     def __init__(self, path: Path):
         self._path = path
         self._file = _open_rank_file(path)
-        self._names = set(self._file.keys())
+        meta = self._file.metadata() or {}
+        self._gguf = {k[len(METADATA_PREFIX):]: v for k, v in meta.items() if k.startswith(METADATA_PREFIX)}
+        self._stored: dict[str, list[str]] = {}   # name -> the stored tensors it is made of, in order
+        for key in self._file.keys():
+            prefix, suffix, kind = split_name(key)
+            packed = PACKED.get(suffix)
+            name = f"{prefix}{packed[0]}.{kind}" if packed else key
+            self._stored.setdefault(name, []).append(key)
+        for name, keys in self._stored.items():
+            keys.sort(key=lambda key: PACKED[split_name(key)[1]][1] if split_name(key)[1] in PACKED else 0)
+
+    def _read(self, key: str):
+        t = _read_tensor(self._file, self._path, key)
+        return from_metadata(t.numpy(), self._gguf[key], key) if key in self._gguf else t
 
     def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._names:
+        if name not in self._stored:
             raise KeyError(name)
-        return _read_tensor(self._file, self._path, name).float().numpy()
+        parts = [self._read(key) for key in self._stored[name]]
+        floats = [p.float32() if isinstance(p, GGUFTensor) else p.float().numpy() for p in parts]
+        return floats[0] if len(floats) == 1 else np.concatenate(floats)
+
+    def gguf_kinds(self) -> dict[str, str]:
+        """Every stored tensor kept as GGUF blocks -> its kind."""
+        return {key: value.split()[0] for key, value in sorted(self._gguf.items())}
+
+    def gguf_parts(self, name: str) -> list[GGUFTensor] | None:
+        """The GGUF blocks `name` is stored as (its parts, one when they share a kind), taken out of the rank; None
+        when any part is a float tensor."""
+        keys = self._stored.get(name)
+        if keys is None or not all(key in self._gguf for key in keys):
+            return None
+        parts = [self._read(key) for key in keys]
+        del self[name]
+        return parts
 
     def __delitem__(self, name: str) -> None:
-        self._names.remove(name)
+        del self._stored[name]
 
     def __setitem__(self, name, value):
         raise TypeError("read-only")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._names))
+        return iter(sorted(self._stored))
 
     def num_elements(self) -> int:
-        return sum(math.prod(self._file.get_slice(n).get_shape()) for n in self._names)
+        """The weights the rank holds (a GGUF tensor's N * K, not its bytes)."""
+        total = 0
+        for keys in self._stored.values():
+            for key in keys:
+                shape = self._file.get_slice(key).get_shape()
+                total += shape[0] * int(self._gguf[key].split()[1]) if key in self._gguf else math.prod(shape)
+        return total
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._stored)
 
 
 def _check_elements(found: int, model: ModelConfig, tp: int, path: Path) -> None:
@@ -86,9 +124,9 @@ def rank_tensors(ckpt_dir: Path, ckpt: CheckpointConfig, tp: int, rank: int) -> 
     ranks = []
     for r in range(src_tp):
         path = Path(ckpt_dir) / rank_file(r)
-        with _open_rank_file(path) as f:
-            ranks.append({n: _read_tensor(f, path, n) for n in f.keys()})
-        _check_elements(sum(t.numel() for t in ranks[-1].values()), model, src_tp, path)
+        stored = _LazyRank(path)   # GGUF blocks dequantized, parts stored apart joined
+        _check_elements(stored.num_elements(), model, src_tp, path)
+        ranks.append({n: torch.from_numpy(stored[n]) for n in list(stored)})
     logical = unpack_and_merge(ranks, model)
     del ranks
     if model.tie_word_embeddings:

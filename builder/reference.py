@@ -5,7 +5,7 @@ deleted with the build whatever happens:
     sample(...)            calibration text when no --calib-data is given: sequences the reference samples itself
                            (temperature 1, seeded) through its paged KV cache, SAMPLE_BATCH at a time
                            (runtime/perplexity.sample_tokens); faster than the torch twin (bench/NOTES.md entry 14)
-    accuracy_report(...)   held-out text sampled and scored by the reference, then scored by the quantized engine
+    accuracy_report(...)   held-out text sampled by the reference (and its answers to chat prompts), scored by both
 
 A build that needs neither (weight-only with no report, int4 kept on the checkpoint's blocks) never builds it.
 """
@@ -20,7 +20,7 @@ from engine.core.artifacts import save_sealed
 from engine.core.config import Mapping, QuantConfig
 from engine.core.engine_config import BuildConfig, EngineConfig, PluginConfig
 from engine.core.errors import EngineError
-from engine.quantization.accuracy import AccuracyOptions, accuracy_report, held_out_windows
+from engine.quantization.accuracy import AccuracyOptions, accuracy_report, chat_windows, held_out_windows
 from engine.runtime.engine_dir import backend_version
 
 from .memory import memory_plan
@@ -85,4 +85,5 @@ class ReferenceEngine:
                                   "here")
             return {"skipped": "tensor-parallel engines cannot be scored on this machine"}
         held_out = held_out_windows(opts, self.path(), self._ckpt_dir, start_token)
-        return accuracy_report(self.path(), engine_dir, held_out)
+        chat = chat_windows(self.path(), self._ckpt_dir, self._config.generation.eos_token_ids)
+        return accuracy_report(self.path(), engine_dir, held_out, chat)

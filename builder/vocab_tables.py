@@ -21,6 +21,7 @@ from engine.core import engine_config as ec
 from engine.plugins import quant_matmul
 from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
+from engine.plugins.gguf_tiles import gguf_gather, gguf_node
 from engine.plugins.linear import linear, quantized_gather, quantized_linear
 from engine.quantization.calibrated import SHARED_TABLE
 from engine.quantization.weight_only import QuantizedWeight, quantize
@@ -34,6 +35,7 @@ class Head:
     float_tiles: bool = False                   # the table is QuantMatMul's float32 tiles
     shared_table: QuantizedWeight | None = None  # the quantized lm_head's table, placed by the embedding
     shared_calibrated: object = None            # ModelOpt's lm_head table, placed by the embedding
+    gguf_table: tuple | None = None             # (initializer, gguf_tiles.Format) of a GGUF embedding's tiles
 
 
 class VocabTables:
@@ -44,6 +46,12 @@ class VocabTables:
         # tp > 1: a rank holds its vocabulary shard of lm_head and the whole embedding, which a tied model still
         # stores at the head's precision, as a table of its own (the same rows tp=1's shared table holds)
         own_table = m.tie_word_embeddings and not tied
+        if self.gguf:   # a table kept as GGUF blocks: QuantGather of its tiles, which a tied lm_head reads too
+            parts = self.t.gguf_parts("vocab_embedding.weight")
+            if parts is not None:
+                rows, f = gguf_gather(g, parts[0], ec.INPUT_IDS, name="/model/embed_tokens",
+                                      weight_name="vocab_embedding.weight")
+                return rows, Head(tied, parts[0].shape, gguf_table=("vocab_embedding.weight", f) if tied else None)
         embedding = self.take("vocab_embedding.weight")
         # a float32 tied lm_head as QuantMatMul's float32 tiles (plugins/linear.float_matmul), which the embedding's
         # QuantGather reads too
@@ -75,6 +83,11 @@ class VocabTables:
     def lm_head(self, normed: str, head: Head) -> str:
         """The logits [S, vocab] of the final norm's rows `normed`, over the table embed() chose."""
         m, g, p = self.m, self.g, self.p
+        if head.gguf_table is not None:
+            tiles, f = head.gguf_table
+            return gguf_node(g.scope("/lm_head"), normed, tiles, head.shape[0], f)
+        if self.gguf and not head.tied:
+            return self.proj(normed, "lm_head.weight", "/lm_head")
         if head.shared_table is not None:
             return quantized_linear(g, normed, head.shared_table, None, name="/lm_head",
                                     weight_name="vocab_embedding.weight", accuracy_level=self.scheme.accuracy_level,

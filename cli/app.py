@@ -28,6 +28,7 @@ from . import config_file
 
 # command name -> (module under engine.cli, function), in the order help lists them
 COMMANDS = {
+    "download": ("download", "download_command"),
     "convert": ("convert", "convert_command"),
     "build": ("build", "build_command"),
     "inspect": ("inspect", "inspect_command"),

@@ -51,7 +51,9 @@ def build_command(
                               "computed in float32 on ONNX Runtime CPU (see `engine inspect`). Quantized modes "
                               "(TensorRT-LLM names): int8_wo, int4_wo (weight-only RTN, quantized at build); "
                               "int8_sq (SmoothQuant W8A8), fp8 (E4M3 Q/DQ, emulated on CPU), int4_awq (AWQ), "
-                              "calibrated at build with NVIDIA ModelOpt (the `quantization` extra)."),
+                              "calibrated at build with NVIDIA ModelOpt (the `quantization` extra); gguf (a "
+                              "checkpoint converted from a GGUF file runs its blocks exactly as the file stores "
+                              "them: docs/gguf.md)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Weight-only: input features sharing one "
                                              "scale (16, 32, 64, 128, 256; must divide every quantized weight's in "
                                              "features).", show_default="int4_wo 32; int8_wo the largest that fits"),
@@ -223,10 +225,13 @@ def build_command(
         what = [q.mode] if q.mode else []
         what += [f"{q.lm_head_dtype} lm_head"] if q.lm_head_dtype != "float32" else []
         what += [f"{build.kv_cache_dtype} KV cache"] if build.kv_cache_dtype != "float32" else []
-        Console(highlight=False, soft_wrap=True).print(
-            f"accuracy ({' + '.join(what)}): perplexity {report['reference_ppl']:.3f} -> "
-            f"{report['quantized_ppl']:.3f} ({report['ppl_increase_pct']:+.2f}%) on {report['tokens']} tokens, "
-            f"{escape(report['data'])}")
+        out = Console(highlight=False, soft_wrap=True)
+        for part in (report, report.get("chat")):
+            if part:
+                out.print(f"accuracy ({' + '.join(what)}): perplexity {part['reference_ppl']:.3f} -> "
+                          f"{part['quantized_ppl']:.3f} ({part['ppl_increase_pct']:+.2f}%), top-1 agreement "
+                          f"{part['top1_agreement']:.3f}, mean KL {part['mean_kl']:.4f} on {part['tokens']} tokens, "
+                          f"{escape(part['data'])}")
     m = config.model
     Console(highlight=False, soft_wrap=True).print(f"[green]built[/] {m.architecture} engine ({build.backend} {config.backend_version}, tp "
                   f"{build.tp_size}, max_seq_len {build.max_seq_len}, max_batch_size {build.max_batch_size}) in "

@@ -86,7 +86,10 @@ def inspect_command(
                 ("MatMulNBits accuracy_level", q.accuracy_level)] if q.mode is not None else []
         rows += [(f"calibration: {k}", v) for k, v in q.calibration.items()]
         rows += [(f"KV cache: {k}", v) for k, v in q.kv_cache.items() if k not in ("k_scale", "v_scale")]
-        rows += [(f"accuracy: {k}", v) for k, v in q.accuracy.items()] or [("accuracy", "(not measured)")]
+        rows += [(f"accuracy: {k}", v) for k, v in q.accuracy.items() if k != "chat"] or \
+            [("accuracy", "(not measured)")]
+        rows += [(f"accuracy on chat: {k}", v) for k, v in q.accuracy.get("chat", {}).items()]
+        rows += _format_rows(q.formats)
         console.print(_table("quantization", rows))
     console.print(_table("memory plan", plan_rows(config.memory, config.build)))
     for rank in range(config.mapping.world_size):
@@ -115,3 +118,19 @@ def inspect_command(
         if rank == 0 and config.mapping.world_size > 1:
             console.print(f"(ranks 1..{config.mapping.world_size - 1} have the same graph over their shards)")
             break
+
+
+def _format_rows(formats: dict[str, str]) -> list[tuple[str, str]]:
+    """--dtype gguf's kept tensors by kind, a projection's layers listed once: ("Q6_K", "lm_head; mlp.down in
+    layers 0, 3, 6; ...")."""
+    by_kind: dict[str, dict[str, list[str]]] = {}
+    for name, kind in formats.items():
+        parts = name.removesuffix(".weight").split(".")
+        layer, stem = (parts[1], ".".join(parts[2:])) if parts[0] == "layers" else (None, ".".join(parts))
+        by_kind.setdefault(kind, {}).setdefault(stem, []).extend([layer] if layer is not None else [])
+    rows = []
+    for kind, stems in sorted(by_kind.items()):
+        what = [stem + (f" in layers {', '.join(sorted(layers, key=int))}" if layers else "")
+                for stem, layers in sorted(stems.items())]
+        rows.append((f"kept as {kind}", "; ".join(what)))
+    return rows

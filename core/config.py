@@ -107,7 +107,8 @@ when the KV cache is quantized, and `kv_cache` records its scales. `source_grid`
 projection of the checkpoint already on 4-bit blocks of 32 (a GGUF Q4_1 source) and kept them exactly instead of RTN
 or AWQ (quantization/weight_only.block_grid). `lm_head_dtype` bfloat16 stores lm_head (and a tied embedding) in
 bfloat16 for the engine's Bf16MatMul instead of float32, int8 in blocks of 32 on llama.cpp's Q8_0 rule beside
-weight-only layers (neither with quantize_lm_head)."""
+weight-only layers (neither with quantize_lm_head). `formats`: mode gguf's stored tensors kept as GGUF blocks, by
+name (a stacked q|k|v of mixed kinds by its parts' logical names), and their kinds."""
     mode: str | None = None
     kv_cache_dtype: str | None = None
     group_size: int | None = None
@@ -118,6 +119,7 @@ weight-only layers (neither with quantize_lm_head)."""
     kv_cache: dict = field(default_factory=dict)  # int8 KV cache: its calibrated scales (quantization/kv_cache.py)
     source_grid: bool = False
     lm_head_dtype: str = "float32"
+    formats: dict = field(default_factory=dict)  # gguf: each tensor kept as blocks -> its GGUF kind ("Q4_K")
 
 
 @dataclass(frozen=True)

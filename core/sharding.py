@@ -81,7 +81,14 @@ class Packer:
         if len(parts) < len(PARTS[packed]):
             return []
         del self._pending[key]
-        return [(key, torch.cat([parts[i] for i in range(len(parts))], dim=0))]
+        ordered = [parts[i] for i in range(len(parts))]
+        if all(isinstance(p, torch.Tensor) for p in ordered):
+            return [(key, torch.cat(ordered, dim=0))]
+        # GGUF blocks (quantization/gguf_tensor.py): stacked when every part is blocks of one kind, else stored apart
+        stacked = next(p for p in ordered if not isinstance(p, torch.Tensor)).stack(ordered)
+        if stacked is not None:
+            return [(key, stacked)]
+        return [(f"{prefix}{part}.{kind}", p) for part, p in zip(PARTS[packed], ordered)]
 
     def finish(self) -> None:
         if self._pending:

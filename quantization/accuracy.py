@@ -1,14 +1,19 @@
-"""The accuracy report of a quantized build and its gate: perplexity of the quantized engine and of its
-unquantized reference on the same held-out tokens.
+"""The accuracy report of a quantized build and its gate: the quantized engine against its unquantized reference,
+teacher-forced on the same tokens, as llama.cpp's `perplexity --kl-divergence` compares two models.
 
     held-out tokens:  --eval-data FILE (tokenized with the checkpoint's tokenizer, first eval_tokens tokens,
                       windows of `window`), or, with no file, sequences the reference engine samples from its
                       own distribution (seeded, temperature 1), so a build never needs a download
+    chat:             for a model with a chat template, CHAT_PROMPTS rendered with it and answered by the reference
+                      (greedy, CHAT_ANSWER_TOKENS tokens): the text an instruct model really sees; only the answers'
+                      tokens are scored
     report:           {"data", "tokens", "windows", "window", "reference_ppl", "quantized_ppl",
-                       "ppl_increase_pct"}, written to config.json's quantization.accuracy
+                       "ppl_increase_pct", "top1_agreement", "mean_kl", "chat": {the same for the conversations}},
+                      written to config.json's quantization.accuracy. top1_agreement: the share of scored tokens
+                      where both engines' most likely next token is the same (on the greedy answers: where the
+                      quantized engine predicts the reference's next token); mean_kl: KL(reference || quantized) of
+                      the next-token distributions, nats per token
     gate:             --max-ppl-increase PCT fails the build when ppl_increase_pct exceeds it
-    cost:             sampled text is scored by the reference while it samples it (each token's log-probability
-                      under the distribution it was drawn from), so only the quantized engine runs a scoring pass
 
 Self-sampled text is what the reference model finds typical, so its perplexity is low and the increase
 measures how far the quantized model drifts from the reference's own distribution; a file of real text
@@ -19,8 +24,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import math
+
+import numpy as np
+
 from engine.core.errors import EngineError
-from engine.runtime.perplexity import PerplexityResult, perplexity, sample_scored, split_windows
+from engine.runtime.engine_dir import load_engine_config
+from engine.runtime.perplexity import ScoringSession, sample_tokens, split_windows, token_nll
+
+# conversations a chat model is scored on (general and code, as a coding assistant is asked)
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences what a hash table is.",
+    "How do I reverse a list in JavaScript?",
+    "Give me three tips for writing clear commit messages.",
+    "What does the SQL keyword JOIN do?",
+    "Write a bash command that counts the lines of every .py file in a directory.",
+    "Why is the sky blue?",
+)
+CHAT_ANSWER_TOKENS = 96
 
 
 @dataclass(frozen=True)
@@ -43,25 +66,23 @@ class AccuracyOptions:
 
 @dataclass(frozen=True)
 class HeldOut:
-    windows: list[list[int]]                  # token ids to score, each window a fresh sequence
-    source: str                               # where they came from, for the report
-    reference: PerplexityResult | None = None  # the reference's perplexity over them, when measured while sampling
+    windows: list[list[int]]   # token ids to score, each window a fresh sequence
+    source: str                # where they came from, for the report
 
 
 def held_out_windows(opts: AccuracyOptions, reference_dir: Path, tokenizer_dir: Path,
                      start_token: int | None) -> HeldOut:
-    """The windows of token ids to score and where they came from (sampled: with the reference's perplexity)."""
+    """The windows of token ids to score and where they came from."""
     from engine.runtime.perplexity import max_window
     window = min(opts.window, max_window(reference_dir))
     if opts.eval_data is not None:
         ids = read_text_tokens(Path(opts.eval_data), tokenizer_dir)[:opts.eval_tokens]
         return HeldOut(split_windows(ids, window), f"file {opts.eval_data}")
-    from engine.runtime.engine_dir import load_engine_config
     build = load_engine_config(reference_dir).build
     sequences = max(1, min(-(-opts.eval_tokens // window), build.max_batch_size))
-    windows, reference = sample_scored(reference_dir, sequences=sequences, length=window, seed=opts.seed,
-                                       start_token=start_token if start_token is not None else 0)
-    return HeldOut(windows, f"sampled from the reference engine (seed {opts.seed}, temperature 1)", reference)
+    windows = sample_tokens(reference_dir, sequences=sequences, length=window, seed=opts.seed,
+                            start_token=start_token if start_token is not None else 0)
+    return HeldOut(windows, f"sampled from the reference engine (seed {opts.seed}, temperature 1)")
 
 
 def read_text_tokens(path: Path, tokenizer_dir: Path) -> list[int]:
@@ -76,14 +97,90 @@ def read_text_tokens(path: Path, tokenizer_dir: Path) -> list[int]:
     return ids
 
 
-def accuracy_report(reference_dir: Path, quantized_dir: Path, held_out: HeldOut) -> dict:
-    windows = held_out.windows
-    ref = held_out.reference or perplexity(reference_dir, windows)
-    quant = perplexity(quantized_dir, windows)
-    return {"data": held_out.source, "tokens": ref.tokens, "windows": ref.windows,
-            "window": max(len(w) for w in windows),
-            "reference_ppl": round(ref.perplexity, 4), "quantized_ppl": round(quant.perplexity, 4),
-            "ppl_increase_pct": round(100.0 * (quant.perplexity / ref.perplexity - 1.0), 3)}
+def chat_windows(reference_dir: Path, tokenizer_dir: Path,
+                 eos: tuple[int, ...] = ()) -> tuple[list[list[int]], list[int]] | None:
+    """CHAT_PROMPTS under the model's chat template with the reference's greedy answers (up to CHAT_ANSWER_TOKENS,
+    ending at an `eos` token): (each conversation's ids, where its answer starts); None without a chat template."""
+    from engine.runtime.perplexity import max_window
+    from engine.runtime.session import EngineSession
+    from engine.runtime.step_inputs import SeqChunk
+    from engine.runtime.tokenizer import Tokenizer
+    tokenizer = Tokenizer(tokenizer_dir)
+    if tokenizer.chat_template is None:
+        return None
+    limit = min(max_window(reference_dir), 2 * CHAT_ANSWER_TOKENS)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    seqs = [list(ids) for ids in prompts if len(ids) + 2 <= limit]
+    if not seqs:
+        return None
+    starts = [len(ids) for ids in seqs]
+    tpb = load_engine_config(reference_dir).build.tokens_per_block
+    per_seq = -(-limit // tpb)
+    session = EngineSession(reference_dir, num_blocks=len(seqs) * per_seq)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(seqs))]
+
+    def advance(chunks: list[SeqChunk]) -> list[SeqChunk]:
+        """One step: each chunk's sequence gains its greedy next token; the decodes of those that go on."""
+        going = []
+        for chunk, row in zip(chunks, session.run(chunks)):
+            i = tables.index(chunk.block_table)
+            seqs[i].append(int(row.argmax()))
+            if seqs[i][-1] not in eos and len(seqs[i]) - starts[i] < CHAT_ANSWER_TOKENS and len(seqs[i]) < limit:
+                going.append(SeqChunk([seqs[i][-1]], len(seqs[i]) - 1, tables[i], True))
+        return going
+
+    # each prompt's prefill a step of its own (a step holds at most max_num_tokens), then the decodes together
+    live = [c for i in range(len(seqs)) for c in advance([SeqChunk(list(seqs[i]), 0, tables[i], True)])]
+    while live:
+        live = advance(live)
+    return seqs, starts
+
+
+def compare(reference_dir: Path, quantized_dir: Path, windows: list[list[int]], starts: list[int] | None = None) -> dict:
+    """Both engines teacher-forced over `windows` (each a fresh sequence), scoring the predictions of tokens
+    starts[i].. of window i (default: every token after the first): perplexities, top-1 agreement, mean KL."""
+    starts = starts or [1] * len(windows)
+    length = max(len(w) for w in windows)
+    sessions = ScoringSession(reference_dir, length), ScoringSession(quantized_dir, length)
+    nll, agree, kl, count = np.zeros(2), 0, 0.0, 0
+    for w, start in zip(windows, starts):
+        rows = slice(max(start, 1) - 1, len(w) - 1)   # the positions predicting the scored tokens
+        if rows.start >= rows.stop:
+            continue
+        ref, quant = (s.logits(w)[rows] for s in sessions)
+        targets = w[rows.start + 1:rows.stop + 1]
+        nll += [float(token_nll(ref, targets).sum()), float(token_nll(quant, targets).sum())]
+        agree += int((ref.argmax(-1) == quant.argmax(-1)).sum())
+        kl += float(_kl_rows(ref, quant).sum())
+        count += len(targets)
+    if count == 0:
+        raise EngineError("no text to score: the accuracy report needs windows of 2 or more tokens")
+    reference_ppl, quantized_ppl = (math.exp(x / count) for x in nll)
+    return {"tokens": count, "windows": len(windows), "window": length,
+            "reference_ppl": round(reference_ppl, 4), "quantized_ppl": round(quantized_ppl, 4),
+            "ppl_increase_pct": round(100.0 * (quantized_ppl / reference_ppl - 1.0), 3),
+            "top1_agreement": round(agree / count, 4), "mean_kl": round(kl / count, 6)}
+
+
+def _kl_rows(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(softmax(p) || softmax(q)) per row, in float64 nats."""
+    def log_softmax(x):
+        x = np.asarray(x, dtype=np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return (np.exp(lp) * (lp - lq)).sum(axis=-1)
+
+
+def accuracy_report(reference_dir: Path, quantized_dir: Path, held_out: HeldOut,
+                    chat: tuple[list[list[int]], list[int]] | None = None) -> dict:
+    """The report (module docstring) over the held-out text, and over the conversations `chat` (chat_windows)."""
+    report = {"data": held_out.source, **compare(reference_dir, quantized_dir, held_out.windows)}
+    if chat is not None:
+        report["chat"] = {"data": f"{len(chat[0])} conversations answered by the reference (greedy, up to "
+                                  f"{CHAT_ANSWER_TOKENS} tokens), their answers scored",
+                          **compare(reference_dir, quantized_dir, *chat)}
+    return report
 
 
 def check_gate(report: dict, opts: AccuracyOptions, mode: str) -> None:

@@ -7,6 +7,9 @@
     fp8        E4M3 weights and activations, per-tensor scales (static activation scale); ModelOpt-calibrated
     int4_awq   W4A16 AWQ: int4 weights per group (default 128, as ModelOpt; the largest that fits below it); a
                checkpoint already in 4-bit blocks of 32 keeps them as int4_wo does (group 32; AWQ on lm_head only)
+    gguf       the weights a GGUF checkpoint keeps as blocks (engine convert --gguf) run exactly as the file stores
+               them, each in its own kind (Q4_K, Q6_K, Q5_0, Q8_0, ...: plugins/gguf_tiles.py), activations rounded
+               to int8 per block of 32 as llama.cpp rounds them; the rest float32
     w4a8_awq, nvfp4    named, refused until implemented
 The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
 Calibrated modes (quantization/calibrate.py) build tp 1 engines (int8_sq on onnxruntime only).
@@ -44,7 +47,8 @@ from .calibrated import CALIBRATED
 from .weight_only import BITS, GROUP_SIZES, check_group_size
 
 WEIGHT_ONLY = tuple(BITS)
-IMPLEMENTED = WEIGHT_ONLY + CALIBRATED
+GGUF = "gguf"
+IMPLEMENTED = WEIGHT_ONLY + CALIBRATED + (GGUF,)
 PLANNED = ("w4a8_awq", "nvfp4")
 # int4_wo: 32, GGUF's Q4 block; a float32 scale per 32 weights (1/8 byte each) keeps the int4 engine under
 # 0.18x the fp32 one. int8_wo: the largest group up to INT8_WO_MAX_GROUP_SIZE that fits (see above).
@@ -90,6 +94,8 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
     split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
     if quant.mode in CALIBRATED:
         return _resolve_calibrated(quant, model, tp)
+    if quant.mode == GGUF:
+        return _resolve_gguf(quant, tp)
     level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level
     if level not in ACCURACY_LEVELS:
         raise EngineError(f"--quant-accuracy-level {level} is not one of {', '.join(map(str, ACCURACY_LEVELS))}",
@@ -106,6 +112,22 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
     for what, k in ks.items():
         check_group_size(group, k, f"{what} (tp {tp})" if tp > 1 else what)
     return replace(quant, group_size=group, accuracy_level=level)
+
+
+def _resolve_gguf(quant: QuantConfig, tp: int) -> QuantConfig:
+    """gguf keeps the file's own blocks: no group size, lm_head flag or accuracy level of its own to choose (the
+    activations are int8 per block, level 4's rounding)."""
+    for flag, value in (("--group-size", quant.group_size), ("--quantize-lm-head", quant.quantize_lm_head or None)):
+        if value is not None:
+            raise EngineError(f"{flag} does not apply to --dtype gguf, which keeps every weight as the GGUF file "
+                              "quantized it; leave it out", usage=True)
+    if quant.accuracy_level not in (None, DEFAULT_ACCURACY_LEVEL):
+        raise EngineError(f"--quant-accuracy-level {quant.accuracy_level}: --dtype gguf rounds activations to int8 "
+                          f"per block (level {DEFAULT_ACCURACY_LEVEL}), as llama.cpp does; leave it out", usage=True)
+    if tp != 1:
+        raise EngineError(f"--dtype gguf builds tp 1 engines for now (--tp {tp}); build --tp 1, or a weight-only "
+                          f"--dtype ({' or '.join(WEIGHT_ONLY)}) for tp {tp}", usage=True)
+    return replace(quant, accuracy_level=DEFAULT_ACCURACY_LEVEL)
 
 
 def _resolve_calibrated(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
@@ -150,6 +172,11 @@ def resolve_lm_head_dtype(quant: QuantConfig, model: ModelConfig, *, backend: st
     bfloat16 halves it, int8 quarters it, at no measured perplexity cost (bench/NOTES.md entries 32, 33).
     TensorRT-LLM keeps lm_head in the checkpoint's 16-bit dtype."""
     dtype = quant.lm_head_dtype
+    if quant.mode == GGUF:   # lm_head stays what the file made it (blocks it keeps, else float32)
+        if dtype not in ("auto", "float32"):
+            raise EngineError(f"--lm-head-dtype {dtype} does not apply to --dtype gguf, which keeps lm_head as the "
+                              "GGUF file stores it; leave it out", usage=True)
+        return replace(quant, lm_head_dtype="float32")
     if dtype == "auto":
         level = DEFAULT_ACCURACY_LEVEL if quant.accuracy_level is None else quant.accuracy_level
         if level == 4 and _int8_head_blocker(quant, model, backend) is None:

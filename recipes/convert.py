@@ -32,6 +32,7 @@ from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
 from engine.core.sharding import PACKED, Packer, shard
 from engine.core.tensors import logical_shapes, split_name
+from engine.quantization.gguf_tensor import METADATA_PREFIX, GGUFTensor
 
 from . import recipe_for
 from .base import Recipe
@@ -97,6 +98,10 @@ def convert(source: TensorSource, cfg: ConvertConfig, progress: Progress | None 
         # the name only: a machine's path would make the same conversion differ from one machine to the next
         source={"kind": source.kind, "name": Path(source.path).absolute().name},
     )
+    # A GGUF's quantized weights stay the blocks they are (quantization/gguf_tensor.py): no float32 copy of the model
+    # is made, and `build --dtype gguf` keeps them exactly. Split across ranks or cast to a --dtype they are floats.
+    if source.kind == "gguf":
+        source.keep_quantized = cfg.tp == 1 and cfg.dtype == "auto"
     with atomic_output_dir(cfg.output_dir, force=cfg.force) as tmp:
         for rank in range(cfg.tp):
             tensors = _convert_rank(source, recipe, ckpt, rank, progress)
@@ -177,6 +182,8 @@ def _own(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     and a whole tensor (tp 1, or a replicated one) that needs no cast stays what the source gave, for safetensors
     a view of its memory map: page cache the kernel can drop, not memory of this process.
     """
+    if isinstance(part, GGUFTensor):
+        return part  # blocks of its own rows already (GGUFSource.get)
     out = part.to(dtype).contiguous()
     if out.untyped_storage().nbytes() != out.nbytes:
         out = out.clone()
@@ -205,9 +212,14 @@ def _with_source_name(recipe: Recipe, logical: str) -> str:
     return logical
 
 
-def _save_rank(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _save_rank(tensors: dict[str, torch.Tensor | GGUFTensor], path: Path) -> None:
+    metadata = {"format": "engine-checkpoint"}
+    for name, t in list(tensors.items()):
+        if isinstance(t, GGUFTensor):   # its bytes, and its kind and K in the file's metadata
+            metadata[METADATA_PREFIX + name] = t.metadata()
+            tensors[name] = torch.from_numpy(t.raw)
     try:
-        save_file(tensors, str(path), metadata={"format": "engine-checkpoint"})
+        save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as e:
         # The Rust writer reports I/O failures only as text ("I/O error: No space left on device (os error 28)");
         # turn them back into the OSError they were, which atomic_output_dir words for the user.

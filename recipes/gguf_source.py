@@ -32,6 +32,7 @@ import torch
 
 from engine.core.errors import EngineError
 from engine.core.manifest import digest_file
+from engine.quantization.gguf_tensor import GGUFTensor, keeps
 
 from . import RECIPES
 
@@ -98,6 +99,9 @@ class GGUFSource:
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=processor_config)
         self._hf_names = self._map_names()
         self._blob = np.memmap(self.path, mode="r", dtype=np.uint8)  # pages are read when a tensor is asked for
+        # get() gives the kept kinds' blocks as they are (quantization/gguf_tensor.py); convert sets it for
+        # checkpoints that keep them
+        self.keep_quantized = False
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._tokenizer_dir: Path | None = None
 
@@ -161,13 +165,20 @@ class GGUFSource:
     def names(self) -> list[str]:
         return list(self._hf_names)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor | GGUFTensor:
+        """The tensor dequantized to float32, or with keep_quantized a kept kind's blocks as they are (GGUFTensor)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
         tensor = self._tensors[self._hf_names[name]]
         # GGUFReader's layout for a tensor: its bytes as rows of the last dimension; dequantize reads F32/F16 as
         # views of them and unpacks quantized blocks row by row.
         raw = np.asarray(self._blob[tensor.start:tensor.start + tensor.nbytes]).reshape(*tensor.shape[:-1], -1)
+        kind = _kind_name(tensor.ggml_type)
+        if self.keep_quantized and keeps(kind, tensor.shape):
+            # the processor's q/k un-permutation moves whole rows: found on the row numbers, applied to the blocks
+            order = self._processor.process(weights=np.arange(tensor.shape[0], dtype=np.float64)[:, None],
+                                            name=tensor.name).weights[:, 0].astype(np.int64)
+            return GGUFTensor(kind, raw, tensor.shape[1]).rows(order)
         try:
             qtype = GGMLQuantizationType(tensor.ggml_type)
             values = dequantize(raw, qtype)
@@ -277,6 +288,15 @@ def _write_tokenizer(gguf_path: Path, tmp: Path, config_class: type, generation:
         config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
+
+
+def _kind_name(ggml_type: int) -> str:
+    """gguf's name of a ggml type ("Q4_K"), or the number of one gguf does not know."""
+    from gguf import GGMLQuantizationType
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return str(ggml_type)
 
 
 class _Tensor(NamedTuple):

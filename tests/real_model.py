@@ -88,6 +88,13 @@ def smollm2_hf_dir(root: Path | None = None) -> Path:
     return _atomic_dir(root / HF_DIR_NAME, make)
 
 
+def qwen_05b_gguf(root: Path | None = None) -> Path:
+    """Path to Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB, six wheels joined by `engine download`), cached under
+    the test cache's models/ folder."""
+    from engine.recipes.models import fetch
+    return fetch("qwen2.5-coder-0.5b-instruct-q4_k_m", cache_dir=(root or cache_dir()) / "models")
+
+
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf_dir())

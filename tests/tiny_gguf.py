@@ -1,6 +1,6 @@
 """Tiny GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them: random weights of a small model
 (2 layers, fixed seed) under GGUF tensor names, llama's q/k rows permuted for its rotary layout, 2-D weights stored
-as F32, F16 or Q8_0, norms and biases as F32, the model's hyperparameters and a byte-level BPE tokenizer with a
+as F32, F16, Q8_0 or a mix of block kinds (MIX), norms and biases as F32, the model's hyperparameters and a byte-level BPE tokenizer with a
 chat template in the metadata.
 
 write_tiny_gguf returns the HF-named tensors it wrote (as stored, i.e. after any quantization), so tests can check
@@ -24,6 +24,10 @@ SPECS = {
     "qwen3": dict(head_dim=128, tied=False, bias=False, qk_norm=True),
 }
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+# qtype "mix": a kind per projection, as a Q4_K_M file mixes them (a v of another kind than q and k; every legacy
+# block kind gguf can write)
+MIX = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q4_1", "up_proj": "Q4_1",
+       "down_proj": "Q5_1", "embed_tokens": "Q8_0", "lm_head": "Q5_0"}
 
 
 def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -110,8 +114,8 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
     w.add_chat_template(CHAT_TEMPLATE)
 
     stored: dict[str, torch.Tensor] = {}
-    quant = getattr(gguf.GGMLQuantizationType, qtype)
     for name, value in hf.items():
+        quant = getattr(gguf.GGMLQuantizationType, MIX.get(name.split(".")[-2], "F32") if qtype == "mix" else qtype)
         data = value
         if arch == "llama" and name.endswith("q_proj.weight"):
             data = _permute(value, HEADS, HEADS)

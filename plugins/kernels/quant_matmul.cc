@@ -72,6 +72,15 @@ struct QuantKernel {
   int64_t out_n() const { return mlp ? down.out_n() : first.out_n(); }
 };
 
+// sum(qa) of each half block of 16 of block `at` (kScales16 weights read them).
+inline void half_sums(const int8_t* qb, int64_t group, Activations& a, size_t at) {
+  for (int64_t h = 0; h < group / 16; ++h) {
+    int32_t sum = 0;
+    for (int64_t e = 0; e < 16; ++e) sum += qb[16 * h + e];
+    a.sum16[at * group / 16 + h] = sum;
+  }
+}
+
 // One block of `group` values xb -> its int8 values qb, their scale da and sum, da * sum and zero * sum (the shifts
 // of blocks with offsets and without, zero the weights' zero point), at `at` of a's per-block arrays.
 void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, size_t at, int32_t zero) {
@@ -83,13 +92,13 @@ void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, 
   for (; e < group; e += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + e)));
   amax = _mm512_reduce_max_ps(m);
   const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-  __m512i total = _mm512_setzero_si512();
   for (e = 0; e < group; e += 16) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + e), inv));  // nearest, ties even
-    total = _mm512_add_epi32(total, v);
+    const int32_t half = _mm512_reduce_add_epi32(v);
+    a.sum16[at * group / 16 + e / 16] = half;
+    sum += half;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + e), _mm512_cvtepi32_epi8(v));
   }
-  sum = _mm512_reduce_add_epi32(total);
 #elif defined(ENGINE_KERNELS_AVX2)
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m = _mm256_setzero_ps();
@@ -106,6 +115,7 @@ void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, 
   int32_t lanes[8];
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), total);
   for (int lane = 0; lane < 8; ++lane) sum += lanes[lane];
+  half_sums(qb, group, a, at);
 #else
   for (; e < group; ++e) amax = std::max(amax, std::fabs(xb[e]));
   const float inv = amax > 0 ? 127.0f / amax : 0.0f;
@@ -113,6 +123,7 @@ void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, 
     qb[e] = static_cast<int8_t>(std::nearbyint(xb[e] * inv));
     sum += qb[e];
   }
+  half_sums(qb, group, a, at);
 #endif
   a.d[at] = amax / 127.0f;
   a.sum[at] = sum;
@@ -127,15 +138,16 @@ void sized_for(Activations& a, int64_t tokens, int64_t k, int64_t group) {
   a.sum.resize(a.d.size());
   a.dasum.resize(a.d.size());
   a.zero_sum.resize(a.d.size());
+  a.sum16.resize(static_cast<size_t>(tokens * k / 16));
 }
 
 // Row t of x -> its int8 values, scales and sums, one block at a time.
 void quantize_row(void* opaque, size_t t) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
-  const int64_t row = static_cast<int64_t>(t);
-  for (int64_t b = 0; b < j.groups; ++b)
-    quantize_block(j.x + row * j.k + b * j.group, j.group, j.a->q.data() + row * j.k + b * j.group, *j.a,
-                   static_cast<size_t>(row * j.groups + b), zero_point(j.bits, j.offsets));
+  const int64_t row = static_cast<int64_t>(t), group = act_group(j.group, j.scales), blocks = j.k / group;
+  for (int64_t b = 0; b < blocks; ++b)
+    quantize_block(j.x + row * j.k + b * group, group, j.a->q.data() + row * j.k + b * group, *j.a,
+                   static_cast<size_t>(row * blocks + b), zero_point(j.bits, j.offsets));
 }
 
 // Rows t0 .. t1 - 1 of gate tiles first .. last - 1 (< tiles / 2) of a swiglu job and of their up tiles (+ tiles
@@ -186,9 +198,10 @@ void matmul_item(void* opaque, size_t i) {
 void check_weights(const Projection& p, int64_t k, const Tensor& w, const char* op) {
   require(k % p.group == 0, op, "K must be a multiple of group_size");
   const int64_t tiles = (p.n + kLanes - 1) / kLanes;
-  require(w.shape == std::vector<int64_t>{tiles, k / p.group, block_bytes(p.bits, p.group)}, op,
+  require(w.shape == std::vector<int64_t>{tiles, k / p.group, block_bytes(p.bits, p.group, p.scales)}, op,
           p.bits == kFloatBits ? "float32 weights must be [ceil(N / 16), K / group_size, group_size * 64]"
-                               : "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
+          : p.scales ? "K-quant weights must be [ceil(N / 16), K / 256, 64 + 256 + 256 * 16 * bits / 8]"
+                     : "weights must be [ceil(N / 16), K / group_size, 64 + group_size * 16 * bits / 8]");
 }
 
 bool project(const Api& api, OrtKernelContext* context, const Projection& p, const Tensor& x, const Tensor& w,
@@ -198,15 +211,16 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   // Float32 tiles take every call on the vector code, x as it is. With the SwiGLU epilogue the bfloat16 and the
   // vector tiles write silu(gate) * up themselves (their items take a gate tile with its up tile); the AMX int8
   // tiles write the projection [T, N] here first.
-  const bool floats = p.bits == kFloatBits, bf16 = !floats && bf16_rows(tokens);
-  const bool amx = !floats && amx_rows(tokens), staged = p.swiglu && !bf16 && amx;
+  const bool floats = p.bits == kFloatBits, tiled = plain_blocks(p.bits, p.scales);
+  const bool bf16 = tiled && bf16_rows(tokens), amx = tiled && amx_rows(tokens), staged = p.swiglu && !bf16 && amx;
   thread_local std::vector<float> projection;
   if (staged) projection.resize(static_cast<size_t>(tokens * p.n));
   thread_local Activations own;
   Activations& a = quantized.x ? *quantized.x : own;
   QuantJob job{static_cast<const float*>(x.data), static_cast<const uint8_t*>(w.data),
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
-               k / p.group, block_bytes(p.bits, p.group), tiles, 0, 0, p.offsets, p.swiglu && !staged};
+               k / p.group, block_bytes(p.bits, p.group, p.scales), tiles, 0, 0, p.offsets, p.swiglu && !staged};
+  job.scales = p.scales;
   // A lone row is spread over ~8 items of tiles, or ~32 of float32 tiles (4-8x the bytes of 8- and 4-bit ones), so
   // the threads end a 576-column projection within one 36 KB tile of each other (a float32 decode step 1.01-1.02x;
   // the 4-bit one took 0.98x from the finer cut: bench/NOTES.md entry 50). Many rows take whole row chunks of up to
@@ -214,7 +228,8 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   // sharing 9 items run 5 and 4, and a 32-decode step's o_proj, down and q|k|v projections had 9, 9 and 15 (entry
   // 48). The SwiGLU items keep whole blocks of the next projection, which they quantize.
   const bool quantizes_next = quantized.after != nullptr && quantized.after->bits != kFloatBits;
-  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk, g = quantizes_next ? quantized.after->group : 0;
+  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
+  const int64_t g = quantizes_next ? act_group(quantized.after->group, quantized.after->scales) : 0;
   job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / (floats ? 32 : 8), 1, 4) : 4;
   // float32 items keep pairs of tiles, whose rows share x's broadcasts (float_tiles.h float_pair)
   const int64_t least = job.swiglu && g >= kLanes && g % kLanes == 0 ? std::min<int64_t>(4, g / kLanes)
@@ -232,7 +247,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     return false;
   }
   if (quantized.x == nullptr && !floats) {
-    sized_for(a, tokens, k, p.group);
+    sized_for(a, tokens, k, act_group(p.group, p.scales));
     if (tokens == 1) quantize_row(&job, 0);
     else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
   }
@@ -263,13 +278,23 @@ Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::s
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "bits").c_str(), &bits);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "group_size").c_str(), &group);
   api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "offsets").c_str(), &offsets);
+  const int64_t scales = api.optional_int(info, (prefix + "scales").c_str(), kScalesBlock);
   require(n > 0, kName, "N must be positive");
-  require(bits == 4 || bits == 8 || bits == kFloatBits, kName, "bits must be 4, 8 or 32 (float32 tiles)");
+  require(bits == 4 || bits == 5 || bits == 6 || bits == 8 || bits == kFloatBits, kName,
+          "bits must be 4, 5, 6, 8 or 32 (float32 tiles)");
   require(group > 0 && (bits == kFloatBits || group % kSub == 0), kName,
           "group_size must be a positive multiple of 32");
+  // the GGUF formats: Q5_0 / Q5_1 (5 bits, offsets), Q4_K / Q5_K (kScalesMin), Q6_K (kScales16)
+  require(scales == kScalesBlock || scales == kScalesMin || scales == kScales16, kName, "scales must be 0, 1 or 2");
+  require(bits != 5 || offsets, kName, "5-bit weights have offsets");
+  require(bits != 6 || scales == kScales16, kName, "6-bit weights have scales=2");
+  require(scales != kScalesMin || ((bits == 4 || bits == 5) && offsets && group == 256), kName,
+          "scales=1 takes 4 or 5 bits with offsets in blocks of 256");
+  require(scales != kScales16 || (bits == 6 && !offsets && group == 256), kName,
+          "scales=2 takes 6 bits without offsets in blocks of 256");
   const bool swiglu = sized && api.optional_int(info, (prefix + "swiglu").c_str(), 0) != 0;
   require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
-  return {n, bits, group, offsets != 0, swiglu};
+  return {n, bits, group, offsets != 0, swiglu, scales};
 }
 
 namespace {
@@ -326,6 +351,7 @@ struct GatherJob {
   float* out;
   int64_t hidden, bits, group, groups, block_bytes;
   bool offsets;
+  int64_t scales;
 };
 
 void gather_row(void* opaque, size_t t) {
@@ -336,6 +362,15 @@ void gather_row(void* opaque, size_t t) {
   if (j.bits == kFloatBits) {  // the tile's [H][16] values: column c every 16th
     const float* w = reinterpret_cast<const float*>(p);
     for (int64_t k = 0; k < j.hidden; ++k) out[k] = w[k * kLanes + c];
+    return;
+  }
+  if (!plain_blocks(j.bits, j.scales)) {  // the GGUF formats: scale * q + minimum, llama.cpp's rounding (exact)
+    for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
+      for (int64_t kk = 0; kk < j.group; ++kk) {
+        const ValueScale v = value_scale(p, j.bits, j.offsets, j.scales, c, kk);
+        const int32_t q = weight_at(sub_block(p, j.bits, j.scales, kk / kSub), j.bits, c, kk % kSub);
+        out[b * j.group + kk] = v.scale * static_cast<float>(q) + v.minimum;
+      }
     return;
   }
   for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
@@ -359,7 +394,7 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   const std::vector<Tensor> in = inputs(kernel.api, context, 2);
   const auto &w = in[0], &ids = in[1];
   const Projection& p = kernel.first;
-  const int64_t bytes = block_bytes(p.bits, p.group);
+  const int64_t bytes = block_bytes(p.bits, p.group, p.scales);
   require(w.shape.size() == 3 && w.shape[2] == bytes, kName,
           "QuantGather's table must be [V / 16, H / group_size, 64 + group_size * 16 * bits / 8] (group_size * 64 "
           "for float32)");
@@ -369,7 +404,7 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   for (int64_t t = 0; t < tokens; ++t)
     require(id[t] >= 0 && id[t] < rows, kName, "QuantGather: an id is outside the table");
   GatherJob job{static_cast<const uint8_t*>(w.data), id, nullptr, w.shape[1] * p.group, p.bits, p.group, w.shape[1],
-                bytes, p.offsets};
+                bytes, p.offsets, p.scales};
   job.out = output<float>(kernel.api, context, 0, {tokens, job.hidden});
   parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
 }

@@ -9,10 +9,12 @@
 
 namespace engine_kernels {
 
-// One projection's weights: N columns of `bits` in blocks of `group`, with offsets or not, SwiGLU after it or not.
+// One projection's weights: N columns of `bits` in blocks of `group`, with offsets or not, SwiGLU after it or not,
+// the blocks' scales one a block or GGUF's K-quant sub-block scales (quant_tiles.h kScales*).
 struct Projection {
   int64_t n, bits, group;
   bool offsets, swiglu;
+  int64_t scales = 0;
   int64_t out_n() const { return swiglu ? n / 2 : n; }
 };
 

@@ -48,6 +48,7 @@ struct Activations {
   std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
   std::vector<float> dasum;  // [T, K / group]: da * sum(qa), the shift of blocks with offsets (shift_at)
   std::vector<int32_t> zero_sum;  // [T, K / group]: zero_point * sum(qa), the shift of blocks without (0 with)
+  std::vector<int32_t> sum16;     // [T, K / 16]: sum(qa) of each half block (GGUF Q6_K's scales span 16 values)
   // The same rows in groups of 16 as AMX reads them (quant_amx.h): [T / 16, K / kc, 16, kc] A tiles, and per
   // group, block and row the scale da and the shift (shift_at below)
   std::vector<int8_t> tiles;
@@ -67,6 +68,7 @@ struct QuantJob {
   Activations* next = nullptr;  // with swiglu: the SwiGLU tiles also quantize out into it, in blocks of next_group
   int64_t next_group = 0;
   int32_t next_zero = 0;  // the zero point of the next projection's weights (0 with offsets)
+  int64_t scales = 0;     // kScales* below: how a block's header scales its sub-blocks
   // The tiles the vector tiles' items are cut from: with swiglu the gate tiles, each taken with its up tile
   int64_t item_tiles() const { return swiglu ? tiles / 2 : tiles; }
 };
@@ -89,13 +91,27 @@ inline T* aligned64(std::vector<T>& v) {
   return v.data() + (64 - misaligned) % 64 / sizeof(T);
 }
 
+// Bytes of a sub-block of 32 K values: 4 bits a value, then for 5 and 6 bits one or two 64-byte planes of the
+// high bits (load_sub), or 8 bits a value.
 inline int64_t sub_bytes(int64_t bits) { return kSub * kLanes * bits / 8; }
+
+// How a block's header scales its sub-blocks (QuantMatMul's `scales` attribute; quant_matmul.cc draws the layouts):
+// one d (and m) per block and column, or GGUF's K-quant super-blocks of 256 whose sub-blocks each have their own
+// 6-bit scale and min (Q4_K, Q5_K) or whose halves of 16 each have an int8 scale (Q6_K).
+constexpr int64_t kScalesBlock = 0, kScalesMin = 1, kScales16 = 2;
+constexpr int64_t kSubScaleBytes = 256;  // the K-quant header's sub-block scales (and mins) of a tile
 
 // Bytes of a tile's block of `group` K values: the header of scales, then the values (bits=32: float32 tiles,
 // float_tiles.h, no header).
-inline int64_t block_bytes(int64_t bits, int64_t group) {
-  return (bits == kFloatBits ? 0 : kHeader) + group * kLanes * bits / 8;
+inline int64_t block_bytes(int64_t bits, int64_t group, int64_t scales = kScalesBlock) {
+  return (bits == kFloatBits ? 0 : kHeader) + (scales ? kSubScaleBytes : 0) + group * kLanes * bits / 8;
 }
+
+// The span of the activations' int8 blocks: the weights' block, or one sub-block under K-quant scales.
+inline int64_t act_group(int64_t group, int64_t scales) { return scales ? kSub : group; }
+
+// Whether the AMX and bfloat16 tiles (quant_amx.h, quant_bf16.h) read these weights: 4 or 8 bits, one scale a block.
+inline bool plain_blocks(int64_t bits, int64_t scales) { return (bits == 4 || bits == 8) && !scales; }
 
 // The zero point blocks without offsets take off (2^(bits - 1)); 0 with offsets.
 inline int32_t zero_point(int64_t bits, bool offsets) { return offsets ? 0 : 1 << (bits - 1); }
@@ -115,11 +131,14 @@ inline Shift<Offsets> shift_at(const QuantJob& j, int64_t t, int64_t b) {
 }
 
 // f(bits, offsets) with both as compile-time constants (std::integral_constant) for the job's weight kind.
+// 5 bits come with offsets only (GGUF Q5_0 / Q5_1: projection_of checks).
 template <class F>
 inline void by_kind(const QuantJob& j, F&& f) {
   using Four = std::integral_constant<int, 4>;
+  using Five = std::integral_constant<int, 5>;
   using Eight = std::integral_constant<int, 8>;
   if (j.bits == 4) j.offsets ? f(Four{}, std::true_type{}) : f(Four{}, std::false_type{});
+  else if (j.bits == 5) f(Five{}, std::true_type{});
   else j.offsets ? f(Eight{}, std::true_type{}) : f(Eight{}, std::false_type{});
 }
 
@@ -142,10 +161,17 @@ inline void prefetch_block(const uint8_t* block, int64_t block_bytes) {
 }
 
 // q of column c (0..15) at k = kk (0..31) of one sub-block's bytes, as quant_matmul.cc's header comment lays them out.
+// 5 and 6 bits: the low 4 as 4-bit values, bit 4 (and 5) from the planes after them: register i = kk / 4 (the
+// 8-bit layout's) has its high bits at byte 4 c + kk % 4 of plane i / 4 (6 bits: bits 2 (i % 4), +1; 5 bits: one plane,
+// bit i).
 inline int32_t weight_at(const uint8_t* p, int64_t bits, int64_t c, int64_t kk) {
   if (bits == 8) return p[64 * (kk / 4) + 4 * c + kk % 4];
   const uint8_t v = p[64 * ((kk % 16) / 4) + 4 * c + kk % 4];
-  return kk < 16 ? v & 0x0F : v >> 4;
+  const int32_t low = kk < 16 ? v & 0x0F : v >> 4;
+  const int64_t i = kk / 4, at = 256 + 4 * c + kk % 4;
+  if (bits == 5) return low | ((p[at] >> i) & 1) << 4;
+  if (bits == 6) return low | ((p[at + 64 * (i / 4)] >> (2 * (i % 4))) & 3) << 4;
+  return low;
 }
 
 inline float half_to_float(const uint8_t* p) {
@@ -157,6 +183,24 @@ inline float half_to_float(const uint8_t* p) {
 
 #ifdef ENGINE_KERNELS_VNNI
 // The 8 registers of one sub-block: register i holds the 4 values k = 4 i .. 4 i + 3 of each column.
+// 5 and 6 bits add bit 4 (and 5) from the planes after the nibbles (weight_at): shifted into place in 16-bit lanes,
+// where no bit that the mask keeps crosses a byte, and or-ed in with vpternlogd.
+template <int Shift>
+inline __m512i shifted(__m512i v) {
+  if constexpr (Shift > 0) return _mm512_slli_epi16(v, Shift);
+  else if constexpr (Shift < 0) return _mm512_srli_epi16(v, -Shift);
+  else return v;
+}
+
+template <int I, int Bits>
+inline __m512i with_high_bits(__m512i w, const __m512i* planes) {
+  if constexpr (Bits == 5) {
+    return _mm512_ternarylogic_epi32(w, shifted<4 - I>(planes[0]), _mm512_set1_epi8(0x10), 0xF8);  // w | (h & m)
+  } else {
+    return _mm512_ternarylogic_epi32(w, shifted<4 - 2 * (I % 4)>(planes[I / 4]), _mm512_set1_epi8(0x30), 0xF8);
+  }
+}
+
 template <int Bits>
 inline void load_sub(const uint8_t* p, __m512i w[8]) {
   if constexpr (Bits == 8) {
@@ -169,6 +213,17 @@ inline void load_sub(const uint8_t* p, __m512i w[8]) {
       const __m512i v = _mm512_loadu_si512(p + 64 * l);
       w[l] = _mm512_and_si512(v, low);
       w[l + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    if constexpr (Bits == 5 || Bits == 6) {
+      const __m512i planes[2] = {_mm512_loadu_si512(p + 256), Bits == 6 ? _mm512_loadu_si512(p + 320) : low};
+      w[0] = with_high_bits<0, Bits>(w[0], planes);
+      w[1] = with_high_bits<1, Bits>(w[1], planes);
+      w[2] = with_high_bits<2, Bits>(w[2], planes);
+      w[3] = with_high_bits<3, Bits>(w[3], planes);
+      w[4] = with_high_bits<4, Bits>(w[4], planes);
+      w[5] = with_high_bits<5, Bits>(w[5], planes);
+      w[6] = with_high_bits<6, Bits>(w[6], planes);
+      w[7] = with_high_bits<7, Bits>(w[7], planes);
     }
   }
 }
@@ -257,6 +312,94 @@ void tile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const 
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
   ENGINE_UNROLL
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(o.row(t0 + r), keep, acc[r]);
+}
+
+// 16 bytes at p widened to 16 floats: unsigned (the 6-bit scales and mins of Q4_K / Q5_K) or signed (Q6_K's).
+template <bool Signed>
+inline __m512 bytes_ps(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+// Output rows t0 .. t0 + R - 1 of one tile of K-quant super-blocks (scales kScalesMin or kScales16): each sub-block
+// of 32 is added to the rows' sums on its own, as its scale (and min, or the halves' scales) differ from the next's;
+// the activations' blocks are the sub-blocks. kScalesMin: d * sc * (q . qa) * da - dmin * mn * da * sum(qa);
+// kScales16: per half h of 16, d * sc_h * da * (q_h . qa_h - 32 * sum_h(qa)).
+template <int Bits, int Scales, int R>
+void ktile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, bool stream) {
+  constexpr int kChains = Scales == kScales16 ? 2 : (R >= 8 ? 1 : 2);  // kScales16: a chain per half
+  const int64_t blocks = j.k / kSub;  // the activations' blocks a row
+  const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
+  const int8_t* qa = j.a->q.data() + t0 * j.k;
+  const float *da = j.a->d.data() + t0 * blocks, *dasum = j.a->dasum.data() + t0 * blocks;
+  const int32_t* sum16 = j.a->sum16.data() + t0 * 2 * blocks;
+  __m512 acc[R];
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < j.groups; ++b) {
+    const uint8_t* header = p;
+    if (stream) prefetch_block<0>(header, j.block_bytes);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+    const uint8_t* sub_scales = header + kHeader;
+    p += kHeader + kSubScaleBytes;
+    for (int64_t s = 0; s < j.group / kSub; ++s, p += sub_bytes(Bits)) {
+      __m512i w[8];
+      load_sub<Bits>(p, w);
+      const int64_t ab = b * (j.group / kSub) + s;  // the activations' block
+      __m512i dot[R][kChains];
+      ENGINE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + ab * kSub);
+        ENGINE_UNROLL
+        for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
+        ENGINE_UNROLL
+        for (int i = 0; i < 8; ++i) dot[r][i * kChains / 8] = dot_broadcast(dot[r][i * kChains / 8], w[i], a + i);
+      }
+      if constexpr (Scales == kScalesMin) {
+        const __m512 scale = _mm512_mul_ps(d, bytes_ps<false>(sub_scales + 16 * s));
+        const __m512 minimum = _mm512_mul_ps(dmin, bytes_ps<false>(sub_scales + 128 + 16 * s));
+        ENGINE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m512i dots = kChains == 1 ? dot[r][0] : _mm512_add_epi32(dot[r][0], dot[r][kChains - 1]);
+          acc[r] = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(dasum[r * blocks + ab]), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, _mm512_set1_ps(da[r * blocks + ab])),
+                                   acc[r]);
+        }
+      } else {
+        const __m512 scale[2] = {_mm512_mul_ps(d, bytes_ps<true>(sub_scales + 32 * s)),
+                                 _mm512_mul_ps(d, bytes_ps<true>(sub_scales + 32 * s + 16))};
+        ENGINE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m512 rd = _mm512_set1_ps(da[r * blocks + ab]);
+          ENGINE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const __m512i centred = _mm512_sub_epi32(dot[r][h], _mm512_set1_epi32(32 * sum16[r * 2 * blocks + 2 * ab + h]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale[h], rd), acc[r]);
+          }
+        }
+      }
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(o.row(t0 + r), keep, acc[r]);
+}
+
+template <int Bits, int Scales>
+void ktile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  int64_t t = t0;  // the first rows stream the tile's blocks from memory, the others find them in L1
+  for (; t + 8 <= t1; t += 8) ktile_rows<Bits, Scales, 8>(j, tile, t, cols, o, t == t0);
+  if (t + 4 <= t1) {
+    ktile_rows<Bits, Scales, 4>(j, tile, t, cols, o, t == t0);
+    t += 4;
+  }
+  switch (t1 - t) {
+    case 3: ktile_rows<Bits, Scales, 3>(j, tile, t, cols, o, t == t0); break;
+    case 2: ktile_rows<Bits, Scales, 2>(j, tile, t, cols, o, t == t0); break;
+    case 1: ktile_rows<Bits, Scales, 1>(j, tile, t, cols, o, t == t0); break;
+    default: break;
+  }
 }
 
 #endif
@@ -411,6 +554,61 @@ inline void plain_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, in
     }
 }
 
+// The weight of column c at K value kk of a block, as (scale, minimum) of the value q there: w = scale * q + minimum,
+// from the header of the job's format (quant_matmul.cc's header comment). The plain loops and QuantGather read it.
+struct ValueScale {
+  float scale, minimum;
+};
+
+inline ValueScale value_scale(const uint8_t* block, int64_t bits, bool offsets, int64_t scales, int64_t c,
+                              int64_t kk) {
+  const uint8_t* sub_scales = block + kHeader;
+  if (scales == kScalesMin) {
+    const int64_t s = kk / kSub;
+    return {half_to_float(block + 2 * c) * static_cast<float>(sub_scales[16 * s + c]),
+            -(half_to_float(block + 32 + 2 * c) * static_cast<float>(sub_scales[128 + 16 * s + c]))};
+  }
+  if (scales == kScales16) {
+    const float d = half_to_float(block + 2 * c) * static_cast<float>(static_cast<int8_t>(sub_scales[16 * (kk / 16) + c]));
+    return {d, -32 * d};
+  }
+  if (offsets) return {half_to_float(block + 2 * c), half_to_float(block + 32 + 2 * c)};
+  float d;
+  std::memcpy(&d, block + 4 * c, sizeof d);
+  return {d, -static_cast<float>(1 << (bits - 1)) * d};
+}
+
+// The bytes of sub-block s of a block: after the header (and the K-quant sub-block scales).
+inline const uint8_t* sub_block(const uint8_t* block, int64_t bits, int64_t scales, int64_t s) {
+  return block + kHeader + (scales ? kSubScaleBytes : 0) + s * sub_bytes(bits);
+}
+
+// Rows t0 .. t1 - 1 of a tile whose weights the vector tiles do not take here, in plain loops: every half block of
+// 16 values adds scale * da * (q . qa) + minimum * da * sum(qa), the formula of every format.
+inline void plain_any_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  const int64_t group = act_group(j.group, j.scales);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t* p = j.w + tl * j.groups * j.block_bytes;
+      float acc = 0;
+      for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
+        for (int64_t kk = 0; kk < j.group; kk += 16) {
+          const int64_t at = t * j.k + b * j.group + kk;
+          int32_t dot = 0, sum = 0;
+          for (int64_t e = kk; e < kk + 16; ++e) {
+            const int32_t qa = j.a->q[static_cast<size_t>(t * j.k + b * j.group + e)];
+            dot += weight_at(sub_block(p, j.bits, j.scales, e / kSub), j.bits, c, e % kSub) * qa;
+            sum += qa;
+          }
+          const ValueScale v = value_scale(p, j.bits, j.offsets, j.scales, c, kk);
+          const float da = j.a->d[static_cast<size_t>(at / group)];
+          acc = std::fma(static_cast<float>(dot), v.scale * da, acc);
+          acc = std::fma(static_cast<float>(sum), v.minimum * da, acc);
+        }
+      o.row(t)[c] = acc;
+    }
+}
+
 #if defined(ENGINE_KERNELS_VNNI) || defined(ENGINE_KERNELS_AVX2)
 template <int Bits, bool Offsets, int Subs>
 void tile_subs(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
@@ -445,12 +643,22 @@ void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols,
                   : tile_subs<Bits, Offsets, 0>(j, tile, t0, t1, cols, o);
 }
 
-// Rows t0 .. t1 - 1 of quantized tile tl (cols <= 16 of its columns) into o (float_tiles.h's tile() picks).
+// Rows t0 .. t1 - 1 of quantized tile tl (cols <= 16 of its columns) into o (float_tiles.h's tile() picks). The
+// GGUF formats of 5 and 6 bits and K-quant scales run on the AVX-512 VNNI tiles, elsewhere in plain loops.
 inline void int_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+#ifdef ENGINE_KERNELS_VNNI
+  if (j.scales == kScalesMin) {
+    return j.bits == 4 ? ktile<4, kScalesMin>(j, tl, t0, t1, cols, o) : ktile<5, kScalesMin>(j, tl, t0, t1, cols, o);
+  }
+  if (j.scales == kScales16) return ktile<6, kScales16>(j, tl, t0, t1, cols, o);
+#else
+  if (!plain_blocks(j.bits, j.scales)) return plain_any_tile(j, tl, t0, t1, cols, o);
+#endif
   by_kind(j, [&](auto bits, auto offsets) { tile<bits, offsets>(j, tl, t0, t1, cols, o); });
 }
 #else
 inline void int_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  if (!plain_blocks(j.bits, j.scales)) return plain_any_tile(j, tl, t0, t1, cols, o);
   plain_tile(j, tl, t0, t1, cols, o);
 }
 #endif

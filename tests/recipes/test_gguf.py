@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from engine.builder.rank_tensors import rank_tensors
 from engine.core.artifacts import load_checkpoint_config, rank_file
 from engine.core.errors import EngineError
 from engine.recipes import RECIPES
@@ -40,8 +40,10 @@ def run_engine(*args: str) -> subprocess.CompletedProcess:
 
 
 def read_ranks(ckpt_dir: Path) -> list[dict[str, torch.Tensor]]:
+    """Every rank's tensors as the builder reads them: a GGUF checkpoint's kept blocks dequantized."""
     cfg = load_checkpoint_config(ckpt_dir)
-    return [load_file(str(ckpt_dir / rank_file(r))) for r in range(cfg.mapping.tp_size)]
+    tp = cfg.mapping.tp_size
+    return [{n: torch.from_numpy(t) for n, t in rank_tensors(ckpt_dir, cfg, tp, r).items()} for r in range(tp)]
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:

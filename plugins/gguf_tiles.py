@@ -1,0 +1,177 @@
+"""GGUF block-quantized weights laid out for the engine's QuantMatMul and QuantGather, exactly (no value moves).
+
+    quantization/gguf_blocks.Decoded ──pack──▶ (tiles uint8 [N/16, K/G, bytes], Format: QuantMatMul's attributes)
+
+Each GGUF kind becomes the QuantMatMul format that holds its values and scales as they are (the kernel's header
+comment, plugins/kernels/quant_matmul.cc, draws the bytes):
+
+    kind          bits  group  offsets  scales  header of a tile's block
+    Q4_0             4     32        0       0  float32 d[16]              (zero point 8 implied)
+    Q8_0             8     32        0       0  float32 d[16]              (q + 128 stored, zero point 128)
+    Q4_1             4     32        1       0  float16 d[16], m[16]
+    Q5_0 / Q5_1      5     32        1       0  float16 d[16], m[16]       (Q5_0: m = -16 d, exact in float16)
+    Q4_K / Q5_K   4, 5    256        1       1  float16 d[16], dmin[16]; uint8 sc[8][16], mn[8][16]
+    Q6_K             6    256        0       2  float16 d[16], 32 zero bytes; int8 sc[16][16] (a scale per 16)
+
+A sub-block of 32 K values holds their low 4 bits as the 4-bit tiles do, then 5 and 6 bits add one or two 64-byte
+planes of the high bits (kernels/quant_tiles.h weight_at); 8 bits are bytes. The activations are rounded to int8
+per block of 32 (per block for the legacy kinds), as llama.cpp rounds them to Q8 blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
+from engine.core.errors import EngineError
+from engine.quantization.gguf_blocks import Decoded, decode, dequantize
+from engine.quantization.gguf_tensor import GGUFTensor
+
+from .linear import _add_bias, bias_name_for
+from .quant_matmul import HEADER, LANES, SUB
+
+SUB_SCALE_BYTES = 256  # the K-quant header's sub-block scales (and mins) of a tile and block
+
+
+@dataclass(frozen=True)
+class Format:
+    """QuantMatMul's (and QuantGather's) attributes for one packed weight."""
+    bits: int
+    group_size: int
+    offsets: int
+    scales: int
+
+    def attributes(self) -> dict[str, int]:
+        return {"bits": self.bits, "group_size": self.group_size, "offsets": self.offsets, "scales": self.scales}
+
+    @property
+    def act_group(self) -> int:
+        """The span of the activations' int8 blocks: one sub-block under K-quant scales."""
+        return SUB if self.scales else self.group_size
+
+    def block_bytes(self) -> int:
+        return HEADER + (SUB_SCALE_BYTES if self.scales else 0) + self.group_size * LANES * self.bits // 8
+
+
+FORMATS = {
+    "Q4_0": Format(4, 32, 0, 0), "Q8_0": Format(8, 32, 0, 0), "Q4_1": Format(4, 32, 1, 0),
+    "Q5_0": Format(5, 32, 1, 0), "Q5_1": Format(5, 32, 1, 0),
+    "Q4_K": Format(4, 256, 1, 1), "Q5_K": Format(5, 256, 1, 1), "Q6_K": Format(6, 256, 0, 2),
+}
+
+
+def format_of(kind: str) -> Format:
+    return FORMATS[kind]
+
+
+def stored_bytes(kind: str, out_features: int, in_features: int) -> int:
+    """Bytes of one packed weight: whole tiles of 16 columns."""
+    f = FORMATS[kind]
+    return -(-out_features // LANES) * (in_features // f.group_size) * f.block_bytes()
+
+
+def _padded(rows: np.ndarray, tiles: int) -> np.ndarray:
+    """[N, ...] -> [16 * tiles, ...]: zero rows (columns of the weight) fill the last tile."""
+    out = np.zeros((tiles * LANES, *rows.shape[1:]), dtype=rows.dtype)
+    out[: rows.shape[0]] = rows
+    return out
+
+
+def _per_column(values: np.ndarray, tiles: int, groups: int) -> np.ndarray:
+    """[N, groups * m] per-(column, block, item) values -> [tiles, groups, m * 16]: a block's items, 16 columns each."""
+    v = _padded(values, tiles)
+    return np.ascontiguousarray(v.reshape(tiles, LANES, groups, -1).transpose(0, 2, 3, 1)).reshape(tiles, groups, -1)
+
+
+def _values(q: np.ndarray, bits: int, tiles: int, groups: int, group: int) -> np.ndarray:
+    """The sub-blocks' bytes [tiles, groups, group / 32 * sub_bytes] of the unsigned values q [N, K]."""
+    subs = group // SUB
+    # [tile, column j, block, sub-block, register i, e] -> [tile, block, sub, i, j, e]: k = 32 sub + 4 i + e
+    v = _padded(q, tiles).reshape(tiles, LANES, groups, subs, 8, 4).transpose(0, 2, 3, 4, 1, 5)
+    if bits == 8:
+        return np.ascontiguousarray(v).reshape(tiles, groups, -1)
+    low = v & 0x0F
+    parts = [low[:, :, :, :4] | (low[:, :, :, 4:] << 4)]  # register l < 4: k = 4 l + e low, 16 + 4 l + e high
+    high = (v >> 4).astype(np.uint8)
+    if bits == 5:   # one plane: bit i of byte (j, e) is bit 4 of register i's value
+        parts.append(sum((high[:, :, :, i] & 1) << i for i in range(8))[:, :, :, None].astype(np.uint8))
+    elif bits == 6:   # plane P: bits 2 (i % 4), +1 of byte (j, e) are bits 4, 5 of register i = 4 P + i % 4
+        parts += [sum((high[:, :, :, 4 * p + i] & 3) << (2 * i) for i in range(4))[:, :, :, None].astype(np.uint8)
+                  for p in range(2)]
+    return np.concatenate([p.reshape(tiles, groups, subs, -1) for p in parts], axis=-1).reshape(tiles, groups, -1)
+
+
+def _header(dec: Decoded, f: Format, tiles: int, groups: int) -> np.ndarray:
+    """The blocks' headers [tiles, groups, 64 (+ 256)] as uint8."""
+    d = dec.d.astype(np.float16)
+    if not f.offsets and not f.scales:   # Q4_0, Q8_0: float32 d
+        return _per_column(d.astype(np.float32), tiles, groups).view(np.uint8)
+    if f.scales == 2:   # Q6_K: d, 32 spare bytes, int8 scales of the halves
+        spare = np.zeros((tiles, groups, 32), dtype=np.uint8)
+        sc = _per_column(dec.sc.astype(np.int8), tiles, groups).view(np.uint8)
+        return np.concatenate([_per_column(d, tiles, groups).view(np.uint8), spare, sc], axis=-1)
+    if dec.kind in ("Q5_0",):
+        m = (-16 * d.astype(np.float32)).astype(np.float16)
+        if not np.array_equal(m.astype(np.float32), -16 * d.astype(np.float32)):
+            raise EngineError("a Q5_0 block scale is too large to hold its offset -16 d in float16; convert this "
+                              "model with --dtype float32")
+    else:
+        m = dec.dmin.astype(np.float16)
+    header = [_per_column(d, tiles, groups).view(np.uint8), _per_column(m, tiles, groups).view(np.uint8)]
+    if f.scales == 1:   # Q4_K, Q5_K: the sub-blocks' 6-bit scales then mins
+        header += [_per_column(dec.sc.astype(np.uint8), tiles, groups), _per_column(dec.mn.astype(np.uint8), tiles,
+                                                                                      groups)]
+    return np.concatenate(header, axis=-1)
+
+
+def pack(dec: Decoded) -> tuple[np.ndarray, Format]:
+    """The tiles uint8 [N/16, K/G, block bytes] of a decoded GGUF weight and the format QuantMatMul reads them in."""
+    f = FORMATS[dec.kind]
+    n, k = dec.shape
+    tiles, groups = -(-n // LANES), k // f.group_size
+    blocks = np.concatenate([_header(dec, f, tiles, groups), _values(dec.q, f.bits, tiles, groups, f.group_size)],
+                            axis=-1)
+    assert blocks.shape == (tiles, groups, f.block_bytes()), blocks.shape
+    return blocks, f
+
+
+def reference(x: np.ndarray, dec: Decoded) -> np.ndarray:
+    """What QuantMatMul computes for these weights: x rounded to int8 per block of Format.act_group, times the exact
+    weights (gguf_blocks.dequantize), summed in float64. The tests' reference lowering."""
+    n, k = dec.shape
+    g = FORMATS[dec.kind].act_group
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, k // g, g)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    qa = np.rint(blocks * inv) * (amax / np.float32(127)).astype(np.float32).astype(np.float64)
+    return (qa.reshape(-1, k) @ dequantize(dec).astype(np.float64).T).astype(np.float32)
+
+
+def gguf_linear(g: Graph, x: str, parts: list[GGUFTensor], bias: np.ndarray | None, *, name: str,
+                weight_name: str) -> str:
+    """x @ W^T (+ bias) for a weight kept as GGUF blocks: one QuantMatMul over its tiles (initializer
+    `weight_name`), or, for a stacked weight whose parts are of different kinds (a Q6_K v beside Q4_K q and k), one
+    a part, concatenated."""
+    op = g.scope(name)
+    outputs = []
+    for i, part in enumerate(parts):
+        blocks, f = pack(decode(part.raw, part.kind, part.k))
+        tiles = g.weight(weight_name if len(parts) == 1 else f"{weight_name}.part{i}", blocks)
+        outputs.append(gguf_node(op, x, tiles, part.shape[0], f))
+    y = outputs[0] if len(outputs) == 1 else op("Concat", outputs, axis=-1)
+    return _add_bias(g, op, y, bias, bias_name_for(weight_name))
+
+
+def gguf_node(op: Scope, x: str, tiles: str, n: int, f: Format) -> str:
+    """x [T, K] @ W^T for the N columns whose tiles (pack) are initializer `tiles`: the engine's QuantMatMul."""
+    return op("QuantMatMul", [x, tiles], domain=ENGINE_DOMAIN, N=n, **f.attributes())
+
+
+def gguf_gather(g: Graph, table: GGUFTensor, indices: str, *, name: str, weight_name: str) -> tuple[str, Format]:
+    """Rows `indices` of an embedding kept as GGUF blocks, dequantized as llama.cpp does (exactly: QuantGather)
+    -> ([T, H], the tiles' format); the tiles are initializer `weight_name`, which a tied lm_head reads too."""
+    blocks, f = pack(decode(table.raw, table.kind, table.k))
+    tiles = g.weight(weight_name, blocks)
+    return g.scope(name)("QuantGather", [tiles, indices], domain=ENGINE_DOMAIN, **f.attributes()), f
