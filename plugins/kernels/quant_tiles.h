@@ -408,11 +408,78 @@ void ktile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols
 // Keeps x's additions in the order written: GCC reassociates a row's sums into a tree and spills them (NOTES 39).
 inline void in_order(__m256i& x) { asm("" : "+x"(x)); }
 
+template <int Shift>
+inline __m256i shifted(__m256i v) {
+  if constexpr (Shift > 0) return _mm256_slli_epi16(v, Shift);
+  else if constexpr (Shift < 0) return _mm256_srli_epi16(v, -Shift);
+  else return v;
+}
+
+// Register I's bit 4 (5 bits) or bits 4-5 (6 bits) from the half's high-bit planes, as the AVX-512 load_sub takes them.
+template <int I, int Bits>
+inline __m256i with_high_bits(__m256i w, const __m256i* planes) {
+  if constexpr (Bits == 5) return _mm256_or_si256(w, _mm256_and_si256(shifted<4 - I>(planes[0]), _mm256_set1_epi8(0x10)));
+  else return _mm256_or_si256(w, _mm256_and_si256(shifted<4 - 2 * (I % 4)>(planes[I / 4]), _mm256_set1_epi8(0x30)));
+}
+
+// The 8 registers of half `half` (8 columns) of one sub-block of 4, 5 or 6 bits: register i holds k = 4 i .. 4 i + 3.
+template <int Bits>
+inline void load_half(const uint8_t* p, int half, __m256i w[8]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  ENGINE_UNROLL
+  for (int l = 0; l < 4; ++l) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * l + 32 * half));
+    w[l] = _mm256_and_si256(v, low);
+    w[l + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  }
+  if constexpr (Bits == 5 || Bits == 6) {
+    const __m256i planes[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 32 * half)),
+                               Bits == 6 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 320 + 32 * half))
+                                         : low};
+    w[0] = with_high_bits<0, Bits>(w[0], planes);
+    w[1] = with_high_bits<1, Bits>(w[1], planes);
+    w[2] = with_high_bits<2, Bits>(w[2], planes);
+    w[3] = with_high_bits<3, Bits>(w[3], planes);
+    w[4] = with_high_bits<4, Bits>(w[4], planes);
+    w[5] = with_high_bits<5, Bits>(w[5], planes);
+    w[6] = with_high_bits<6, Bits>(w[6], planes);
+    w[7] = with_high_bits<7, Bits>(w[7], planes);
+  }
+}
+
+// sum over registers First .. First + 3 of w . a (unsigned values up to 63 against int8 activations: a pair of
+// products stays under 2 * 63 * 127 in vpmaddubsw's 16 bits, and vpmaddwd widens each register's pairs at once).
+template <int First>
+inline __m256i quarter_dots(const __m256i w[8], const int32_t* a) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i dot = _mm256_setzero_si256();
+  ENGINE_UNROLL
+  for (int i = First; i < First + 4; ++i)
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], _mm256_set1_epi32(a[i])), ones));
+  return dot;
+}
+
 // Sub-block products of R rows against half `half` (8 columns) of one sub-block at p, added to dot[R] (int32).
 template <int Bits, int R>
 inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256i dot[R]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (Bits == 4) {
+  if constexpr (Bits == 5) {  // a pair of products <= 2 * 31 * 127: four registers' pairs add up in 16 bits
+    __m256i w[8];
+    load_half<5>(p, half, w);
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      __m256i sums = _mm256_setzero_si256();
+      ENGINE_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(a[r][i])));
+        if (i == 3) {
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sums, ones));
+          sums = _mm256_setzero_si256();
+        }
+      }
+      dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sums, ones));
+    }
+  } else if constexpr (Bits == 4) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i lows[R], highs[R];  // two chains of 16-bit sums a row: half the latency of one
     ENGINE_UNROLL
@@ -445,6 +512,72 @@ inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256
         in_order(dot[r]);
       }
     }
+  }
+}
+
+// Half `half` (8 columns) of output rows t0 .. t0 + R - 1 of one tile of K-quant super-blocks: ktile_rows' arithmetic
+// in AVX2's 8 lanes.
+template <int Bits, int Scales, int R>
+void ktile_half(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, int half) {
+  const int64_t blocks = j.k / kSub;
+  const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
+  const int8_t* qa = j.a->q.data() + t0 * j.k;
+  const float *da = j.a->d.data() + t0 * blocks, *dasum = j.a->dasum.data() + t0 * blocks;
+  const int32_t* sum16 = j.a->sum16.data() + t0 * 2 * blocks;
+  __m256 acc[R];
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < j.groups; ++b) {
+    const uint8_t* header = p;
+    if (half == 0) prefetch_block(header, j.block_bytes);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16 * half)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 32 + 16 * half)));
+    const uint8_t* sub_scales = header + kHeader + 8 * half;
+    p += kHeader + kSubScaleBytes;
+    for (int64_t s = 0; s < j.group / kSub; ++s, p += sub_bytes(Bits)) {
+      __m256i w[8];
+      load_half<Bits>(p, half, w);
+      const int64_t ab = b * (j.group / kSub) + s;
+      auto bytes = [](const uint8_t* at, bool is_signed) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+        return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+      };
+      ENGINE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + ab * kSub);
+        const __m256i low = quarter_dots<0>(w, a), high = quarter_dots<4>(w, a);
+        const __m256 rd = _mm256_set1_ps(da[r * blocks + ab]);
+        if constexpr (Scales == kScalesMin) {
+          const __m256 scale = _mm256_mul_ps(d, bytes(sub_scales + 16 * s, false));
+          const __m256 minimum = _mm256_mul_ps(dmin, bytes(sub_scales + 128 + 16 * s, false));
+          acc[r] = _mm256_fnmadd_ps(minimum, _mm256_set1_ps(dasum[r * blocks + ab]), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), _mm256_mul_ps(scale, rd), acc[r]);
+        } else {
+          const __m256i halves[2] = {low, high};
+          ENGINE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const __m256 scale = _mm256_mul_ps(d, bytes(sub_scales + 32 * s + 16 * h, true));
+            const __m256i centred =
+                _mm256_sub_epi32(halves[h], _mm256_set1_epi32(32 * sum16[r * 2 * blocks + 2 * ab + h]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, rd), acc[r]);
+          }
+        }
+      }
+    }
+  }
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols - 8 * half)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  ENGINE_UNROLL
+  for (int r = 0; r < R; ++r) _mm256_maskstore_ps(o.row(t0 + r) + 8 * half, keep, acc[r]);
+}
+
+template <int Bits, int Scales>
+void ktile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  for (int half = 0; half < 2 && 8 * half < cols; ++half) {
+    int64_t t = t0;
+    for (; t + 4 <= t1; t += 4) ktile_half<Bits, Scales, 4>(j, tile, t, cols, o, half);
+    for (; t + 2 <= t1; t += 2) ktile_half<Bits, Scales, 2>(j, tile, t, cols, o, half);
+    if (t < t1) ktile_half<Bits, Scales, 1>(j, tile, t, cols, o, half);
   }
 }
 
@@ -643,16 +776,19 @@ void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols,
                   : tile_subs<Bits, Offsets, 0>(j, tile, t0, t1, cols, o);
 }
 
-// Rows t0 .. t1 - 1 of quantized tile tl (cols <= 16 of its columns) into o (float_tiles.h's tile() picks). The
-// GGUF formats of 5 and 6 bits and K-quant scales run on the AVX-512 VNNI tiles, elsewhere in plain loops.
+// Rows t0 .. t1 - 1 of quantized tile tl (cols <= 16 of its columns) into o (float_tiles.h's tile() picks): K-quant
+// scales on ktile, the rest by kind. CPUs with neither AVX-512 VNNI nor AVX2 run every format in plain loops.
 inline void int_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
 #ifdef ENGINE_KERNELS_VNNI
   if (j.scales == kScalesMin) {
     return j.bits == 4 ? ktile<4, kScalesMin>(j, tl, t0, t1, cols, o) : ktile<5, kScalesMin>(j, tl, t0, t1, cols, o);
   }
   if (j.scales == kScales16) return ktile<6, kScales16>(j, tl, t0, t1, cols, o);
-#else
-  if (!plain_blocks(j.bits, j.scales)) return plain_any_tile(j, tl, t0, t1, cols, o);
+#else   // AVX2: the same split, in its own tiles
+  if (j.scales == kScalesMin) {
+    return j.bits == 4 ? ktile<4, kScalesMin>(j, tl, t0, t1, cols, o) : ktile<5, kScalesMin>(j, tl, t0, t1, cols, o);
+  }
+  if (j.scales == kScales16) return ktile<6, kScales16>(j, tl, t0, t1, cols, o);
 #endif
   by_kind(j, [&](auto bits, auto offsets) { tile<bits, offsets>(j, tl, t0, t1, cols, o); });
 }

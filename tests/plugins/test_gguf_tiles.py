@@ -1,7 +1,7 @@
 """plugins.gguf_tiles: GGUF's block formats (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K) packed for the engine's QuantMatMul and
 QuantGather, against their references: gguf's own dequantization for the weights (exact), and int8 activations per
-block times those weights for the products, on each code path (AVX-512 VNNI, and the plain loops that AVX2-only and
-older CPUs take for these formats)."""
+block times those weights for the products, on each code path (AVX-512 VNNI, AVX2, and the plain loops of CPUs with
+neither)."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -82,7 +82,7 @@ def test_stored_bytes_are_the_packed_size():
 
 @needs_int8_dot
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "plain"])
-def test_narrower_cpus_take_the_plain_loops(monkeypatch, tmp_path, flags):
+def test_narrower_cpus_compute_the_same(monkeypatch, tmp_path, flags):
     library_without(monkeypatch, tmp_path, *flags)
     for kind in ("Q5_0", "Q4_K", "Q5_K", "Q6_K"):
         check_products(kind, rows=(1, 5))
