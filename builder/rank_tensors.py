@@ -58,8 +58,13 @@ class _LazyRank(MutableMapping):
             keys.sort(key=lambda key: PACKED[split_name(key)[1]][1] if split_name(key)[1] in PACKED else 0)
 
     def _read(self, key: str):
-        t = _read_tensor(self._file, self._path, key)
-        return from_metadata(t.numpy(), self._gguf[key], key) if key in self._gguf else t
+        # a GGUF tensor through a map opened for it alone: the file's map keeps every page read in the process's
+        # RSS until it is closed (a 1.5B gguf build: +1.1 GB of peak)
+        if key not in self._gguf:
+            return _read_tensor(self._file, self._path, key)
+        with _open_rank_file(self._path) as f:
+            raw = _read_tensor(f, self._path, key).numpy()
+        return from_metadata(raw, self._gguf[key], key)
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._stored:

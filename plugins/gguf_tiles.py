@@ -136,6 +136,22 @@ def pack(dec: Decoded) -> tuple[np.ndarray, Format]:
     return blocks, f
 
 
+# Rows packed at a time: a table of 151936 rows packed whole made ~1.3 GB of uint8 temporaries (a 1.5B build's
+# peak RSS 3.8 GB, bench/NOTES.md 53); a multiple of the tiles' 16 columns.
+PACK_ROWS = 4096
+
+
+def pack_tensor(t: GGUFTensor) -> tuple[np.ndarray, Format]:
+    """pack(decode(t)), decoded and packed PACK_ROWS rows at a time into the one output array."""
+    f = FORMATS[t.kind]
+    n, k = t.shape
+    blocks = np.empty((-(-n // LANES), k // f.group_size, f.block_bytes()), dtype=np.uint8)
+    for r in range(0, n, PACK_ROWS):
+        part, _ = pack(decode(t.raw[r:r + PACK_ROWS], t.kind, k))
+        blocks[r // LANES:r // LANES + part.shape[0]] = part
+    return blocks, f
+
+
 def reference(x: np.ndarray, dec: Decoded) -> np.ndarray:
     """What QuantMatMul computes for these weights: x rounded to int8 per block of Format.act_group, times the exact
     weights (gguf_blocks.dequantize), summed in float64. The tests' reference lowering."""
@@ -157,7 +173,7 @@ def gguf_linear(g: Graph, x: str, parts: list[GGUFTensor], bias: np.ndarray | No
     op = g.scope(name)
     outputs = []
     for i, part in enumerate(parts):
-        blocks, f = pack(decode(part.raw, part.kind, part.k))
+        blocks, f = pack_tensor(part)
         tiles = g.weight(weight_name if len(parts) == 1 else f"{weight_name}.part{i}", blocks)
         outputs.append(gguf_node(op, x, tiles, part.shape[0], f))
     y = outputs[0] if len(outputs) == 1 else op("Concat", outputs, axis=-1)
@@ -172,6 +188,6 @@ def gguf_node(op: Scope, x: str, tiles: str, n: int, f: Format) -> str:
 def gguf_gather(g: Graph, table: GGUFTensor, indices: str, *, name: str, weight_name: str) -> tuple[str, Format]:
     """Rows `indices` of an embedding kept as GGUF blocks, dequantized as llama.cpp does (exactly: QuantGather)
     -> ([T, H], the tiles' format); the tiles are initializer `weight_name`, which a tied lm_head reads too."""
-    blocks, f = pack(decode(table.raw, table.kind, table.k))
+    blocks, f = pack_tensor(table)
     tiles = g.weight(weight_name, blocks)
     return g.scope(name)("QuantGather", [tiles, indices], domain=ENGINE_DOMAIN, **f.attributes()), f
