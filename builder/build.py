@@ -32,6 +32,7 @@ from engine.core.parallel import check_tp
 from engine.plugins import native, quant_matmul
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, check_gate
+from engine.quantization.gguf_tensor import dequantized_note
 from engine.quantization import calibrated as calib
 from engine.quantization import kv_cache
 from engine.quantization.calibrate import CalibrationOptions
@@ -100,6 +101,9 @@ def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig 
             "weights": f"the GGUF file's blocks kept exactly ({', '.join(kinds)}: {len(quant.formats)} tensors; "
                        "engine inspect lists them), the rest float32",
             "activations": "float32; int8 per block of 32 inside QuantMatMul (as llama.cpp's Q8 blocks)"})
+        dequantized = dequantized_note(ckpt.source)
+        if dequantized:
+            precision["note"] = "; ".join(filter(None, [precision.get("note"), dequantized]))
     elif quant is not None and quant.mode in calib.CALIBRATED and not quant.source_grid:
         precision.update(calib.precision(quant.mode, quant.group_size, quant.accuracy_level, quant.quantize_lm_head))
     elif quant is not None and quant.mode is not None:   # weight-only, or int4_awq keeping the checkpoint's blocks

@@ -39,6 +39,7 @@ def convert_command(
     no_progress: bool = NO_PROGRESS,
 ):
     """Convert a model into an engine checkpoint: canonical tensor names, TP shards, config.json, tokenizer."""
+    from engine.quantization.gguf_tensor import dequantized_note
     from engine.recipes.convert import ConvertConfig, convert
     from engine.recipes.sources import HFDirSource
 
@@ -55,10 +56,21 @@ def convert_command(
         start = time.perf_counter()
         with progress_bar("converting", total=len(source.names()) * tp, enabled=not (no_progress or as_json)) as step:
             ckpt = convert(source, cfg, progress=step)
+    note = dequantized_note(ckpt.source)
+    if note:
+        Console(stderr=True, soft_wrap=True).print(f"[yellow]note:[/] {escape(note)}")
     if as_json:
         print_json("convert", {**checkpoint_result(output_dir, ckpt), "seconds": round(time.perf_counter() - start, 3)})
         return
     m = ckpt.model
     Console(highlight=False, soft_wrap=True).print(
         f"[green]converted[/] {m.architecture} ({m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}) "
-        f"to {escape(str(output_dir))} — dtype {ckpt.dtype}, tp {ckpt.mapping.tp_size}")
+        f"to {escape(str(output_dir))} — {_weights(ckpt)}, tp {ckpt.mapping.tp_size}")
+
+
+def _weights(ckpt) -> str:
+    """"dtype float32", or a GGUF checkpoint's kept blocks: "GGUF blocks kept (Q4_K 169, Q6_K 29), the rest float32"."""
+    kept = ckpt.source.get("kept")
+    if not kept:
+        return f"dtype {ckpt.dtype}"
+    return f"GGUF blocks kept ({', '.join(f'{k} {n}' for k, n in kept.items())}), the rest {ckpt.dtype}"

@@ -74,3 +74,16 @@ def from_metadata(raw: np.ndarray, value: str, name: str) -> GGUFTensor:
     except (ValueError, EngineError) as e:
         raise EngineError(f"the checkpoint's GGUF tensor {name} is described as {value!r}, which does not fit its "
                           f"{tuple(raw.shape)} bytes ({e}); convert the model again with `engine convert`") from None
+
+
+def dequantized_note(source: dict) -> str | None:
+    """A checkpoint's `source` record -> which tensors of its GGUF file are float32 because the engine keeps no
+    blocks of their kind (GGUFSource.dequantized), or None."""
+    dequantized = source.get("dequantized") or {}
+    if not dequantized:
+        return None
+    names = sorted(dequantized)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{len(names)} tensors of the GGUF file are {', '.join(sorted(set(dequantized.values())))}, which the "
+            f"engine does not keep as blocks (it keeps {', '.join(KEPT)}): they are dequantized to float32 "
+            f"({shown})")

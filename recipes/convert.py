@@ -13,6 +13,7 @@ full disk) is an EngineError; nothing that looks like a checkpoint is left behin
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import numbers
 import os
@@ -105,6 +106,11 @@ def convert(source: TensorSource, cfg: ConvertConfig, progress: Progress | None 
     with atomic_output_dir(cfg.output_dir, force=cfg.force) as tmp:
         for rank in range(cfg.tp):
             tensors = _convert_rank(source, recipe, ckpt, rank, progress)
+            kept = _kept_kinds(tensors)
+            if kept:   # the GGUF kinds kept as blocks, for `engine convert`'s summary and readers of config.json
+                ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "kept": kept})
+            if getattr(source, "dequantized", None):   # quantized kinds the engine does not keep: say which
+                ckpt = dataclasses.replace(ckpt, source={**ckpt.source, "dequantized": dict(source.dequantized)})
             _save_rank(tensors, tmp / rank_file(rank))
             del tensors  # release this rank before the next one is built
         tok_dir = source.tokenizer_dir()
@@ -210,6 +216,15 @@ def _with_source_name(recipe: Recipe, logical: str) -> str:
                 source_name = hf.replace("{i}", m.group(1)) if m.groups() else hf
                 return f"{logical} ({source_name})"
     return logical
+
+
+def _kept_kinds(tensors: dict) -> dict[str, int]:
+    """How many stored tensors of each GGUF kind are kept as blocks."""
+    kinds: dict[str, int] = {}
+    for t in tensors.values():
+        if isinstance(t, GGUFTensor):
+            kinds[t.kind] = kinds.get(t.kind, 0) + 1
+    return dict(sorted(kinds.items()))
 
 
 def _save_rank(tensors: dict[str, torch.Tensor | GGUFTensor], path: Path) -> None:

@@ -101,6 +101,7 @@ class GGUFSource:
         # get() gives the kept kinds' blocks as they are (quantization/gguf_tensor.py); convert sets it for
         # checkpoints that keep them
         self.keep_quantized = False
+        self.dequantized: dict[str, str] = {}   # with keep_quantized: GGUF tensor -> its quantized kind not kept
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._tokenizer_dir: Path | None = None
 
@@ -181,6 +182,8 @@ class GGUFSource:
             order = self._processor.process(weights=np.arange(tensor.shape[0], dtype=np.float64)[:, None],
                                             name=tensor.name).weights[:, 0].astype(np.int64)
             return GGUFTensor(kind, raw, tensor.shape[1]).rows(order)
+        if self.keep_quantized and kind not in FLOAT_KINDS:
+            self.dequantized[tensor.name] = kind
         try:
             qtype = GGMLQuantizationType(tensor.ggml_type)
             values = dequantize(raw, qtype)
@@ -290,6 +293,9 @@ def _write_tokenizer(gguf_path: Path, tmp: Path, config_class: type, generation:
         config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out
+
+
+FLOAT_KINDS = ("F32", "F16", "BF16", "F64")   # ggml types that are floats, not quantized blocks
 
 
 def _kind_name(ggml_type: int) -> str:

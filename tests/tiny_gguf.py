@@ -50,9 +50,22 @@ def _tokenizer(tmp: Path) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+# kinds gguf-py cannot quantize -> (block values, block bytes): written as random blocks with a small float16 d first
+RANDOM_BLOCKS = {"IQ4_NL": (32, 18)}
+
+
+def _random_blocks(kind: str, shape: tuple[int, int], gen) -> np.ndarray:
+    values, size = RANDOM_BLOCKS[kind]
+    blocks = gen.integers(0, 256, (shape[0], shape[1] // values, size), dtype=np.uint8)
+    blocks[:, :, :2] = np.full(blocks.shape[:2], 0.002, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(shape[0], -1)
+
+
 def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
-                    rope_scaling: tuple[str, float] | None = None) -> dict[str, torch.Tensor]:
-    """Write the tiny `arch` model to `path`; `rope_scaling` = (type, factor) adds llama.cpp's rope.scaling keys."""
+                    rope_scaling: tuple[str, float] | None = None,
+                    kinds: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Write the tiny `arch` model to `path`; `rope_scaling` = (type, factor) adds llama.cpp's rope.scaling keys;
+    `kinds` overrides MIX's kind of some projections with qtype "mix" (e.g. {"o_proj": "IQ4_NL"})."""
     import gguf
 
     spec = SPECS[arch]
@@ -115,7 +128,8 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
 
     stored: dict[str, torch.Tensor] = {}
     for name, value in hf.items():
-        quant = getattr(gguf.GGMLQuantizationType, MIX.get(name.split(".")[-2], "F32") if qtype == "mix" else qtype)
+        kinds = {**MIX, **(kinds or {})} if qtype == "mix" else {}
+        quant = getattr(gguf.GGMLQuantizationType, kinds.get(name.split(".")[-2], "F32") if qtype == "mix" else qtype)
         data = value
         if arch == "llama" and name.endswith("q_proj.weight"):
             data = _permute(value, HEADS, HEADS)
@@ -128,6 +142,10 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
         elif quant == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gguf_name, data.astype(np.float16))
             stored[name] = torch.from_numpy(value.astype(np.float16).astype(np.float32))
+        elif quant.name in RANDOM_BLOCKS:   # a kind gguf cannot quantize: random blocks, stored as they dequantize
+            raw = _random_blocks(quant.name, value.shape, gen)
+            w.add_tensor(gguf_name, raw, raw_dtype=quant)
+            stored[name] = torch.from_numpy(gguf.quants.dequantize(raw, quant).copy())
         else:
             w.add_tensor(gguf_name, gguf.quants.quantize(data, quant), raw_dtype=quant)
             # quantization rounds per block of a row; permuting rows first does not change any row's values

@@ -100,3 +100,20 @@ def test_gguf_needs_a_checkpoint_that_keeps_blocks(tiny, tmp_path):
     with pytest.raises(EngineError, match="--dtype gguf keeps the quantized blocks of a checkpoint converted from a "
                                           "GGUF file"):
         build(tiny.checkpoint("LlamaForCausalLM"), tmp_path / "e", "gguf")
+
+
+def test_kinds_not_kept_are_float32_and_the_build_says_which(tmp_path):
+    """A kind the engine keeps no blocks of (IQ4_NL here) is dequantized at convert, bit for bit gguf's values, and
+    convert and the gguf build name the tensors."""
+    stored = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", "mix", kinds={"o_proj": "IQ4_NL"})
+    with GGUFSource(tmp_path / "tiny.gguf") as source:
+        ckpt = convert(source, ConvertConfig(tmp_path / "ckpt"))
+    assert ckpt.source["dequantized"] == {f"blk.{i}.attn_output.weight": "IQ4_NL" for i in range(2)}
+    tensors = rank_tensors(tmp_path / "ckpt", ckpt, 1, 0)
+    assert "layers.0.attention.dense.weight" not in tensors.gguf_kinds()
+    np.testing.assert_array_equal(tensors["layers.0.attention.dense.weight"],
+                                  stored["model.layers.0.self_attn.o_proj.weight"].numpy())
+    engine = build(tmp_path / "ckpt", tmp_path / "gguf", "gguf")
+    from engine.runtime.engine_dir import load_engine_config
+    note = load_engine_config(engine).precision["note"]
+    assert "2 tensors of the GGUF file are IQ4_NL" in note and "blk.0.attn_output.weight" in note
