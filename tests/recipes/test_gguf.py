@@ -277,7 +277,8 @@ def test_real_gguf_checkpoint_equals_hf_checkpoint(real_ckpts, smollm2_gguf):
         "LlamaForCausalLM", 30, 576, 9, 3, 49152)
     assert m.tie_word_embeddings and m.rope.theta == 100000.0 and cfg.dtype == "float32"
     assert (cfg.generation.bos_token_id, cfg.generation.eos_token_ids, cfg.generation.pad_token_id) == (1, (2,), 2)
-    assert cfg.source == {"kind": "gguf", "name": smollm2_gguf.name}
+    # SmolLM2's Q4_1 layers and its Q8_0 embedding stay the file's blocks
+    assert cfg.source == {"kind": "gguf", "name": smollm2_gguf.name, "kept": {"Q4_1": 120, "Q8_0": 1}}
     assert cfg.manifest.source_digest == "sha256:" + hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()
 
 
