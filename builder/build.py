@@ -227,7 +227,9 @@ def build_rank(job: RankJob) -> int:
     ckpt = load_checkpoint_config(job.ckpt_dir)
     tensors = rank_tensors(job.ckpt_dir, ckpt, job.build.tp_size, job.rank)
     if job.calibrated is not None:
-        tensors = calib.CalibratedTensors(tensors, job.calibrated)
+        # calibrated once on the whole model: this rank takes its slice of the scales with its weights
+        tensors = calib.CalibratedTensors(tensors, calib.shard_calibrated(job.calibrated, ckpt.model, job.quant.mode,
+                                                                          job.build.tp_size, job.rank))
     graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size, job.quant, job.rank)
     del tensors
     if job.build.tp_size > 1 and job.build.backend == "onnxruntime":

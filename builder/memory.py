@@ -125,12 +125,16 @@ def _gguf_bytes(model: ModelConfig, max_seq_len: int, quant: QuantConfig) -> int
 
 
 def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig, packed: bool) -> int:
-    """Calibrated modes: packed projections at their precision (quantization/calibrated.py; int4_awq's as
-    QuantMatMul's when `packed`); a tied embedding with a quantized lm_head reads the lm_head's table."""
+    """Calibrated modes: one rank's packed projections at their precision (quantization/calibrated.py; int4_awq's as
+    QuantMatMul's when `packed`); a tied embedding with a quantized lm_head reads the lm_head's table (at tp > 1 a
+    whole copy of it, beside the rank's vocabulary shard: calibrated.shard_calibrated)."""
     compute = DTYPE_BYTES["float32"]
     total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
-    h, inter = model.hidden_size, model.intermediate_size
-    shapes = [(model.q_size + 2 * model.kv_size, h), (h, model.q_size), (2 * inter, h), (h, inter)]
+    h = model.hidden_size
+    rows = lambda name: rank_shape(name, logical_shapes(model)[name], model, tp)[0]   # noqa: E731
+    qkv = sum(rows(f"layers.0.attention.{p}.weight") for p in "qkv")
+    shapes = [(qkv, h), (h, model.q_size // tp), (2 * model.intermediate_size // tp, h),
+              (h, model.intermediate_size // tp)]
     awq_packed = packed and quant.mode == "int4_awq"
 
     def projection(n: int, k: int) -> int:   # values, scales and the AWQ / SmoothQuant input scale
@@ -145,17 +149,23 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
         else:
             one = projection(n, k)
         total += model.num_layers * one
-    for name, shape in logical_shapes(model).items():
+    tied = model.tie_word_embeddings
+    shared = quant.quantize_lm_head and tied and quant.mode in calibrated.SHARED_TABLE
+    shapes = logical_shapes(model)
+    if tied and tp > 1:   # lm_head's vocabulary shards
+        shapes["lm_head.weight"] = shapes["vocab_embedding.weight"]
+    for name, shape in shapes.items():
         _, stem, kind = split_name(name)
         if stem in QUANTIZED_PROJECTIONS and kind == "weight":
             continue
-        if quant.quantize_lm_head and (stem == "lm_head" or (stem == "vocab_embedding" and model.tie_word_embeddings
-                                                             and quant.mode in calibrated.SHARED_TABLE)):
+        if quant.quantize_lm_head and (stem == "lm_head" or (stem == "vocab_embedding" and shared)):
             continue
-        total += math.prod(shape) * compute
+        total += math.prod(rank_shape(name, shape, model, tp)) * compute
     if quant.quantize_lm_head:
-        total += projection(model.vocab_size, h)
-        if model.tie_word_embeddings and quant.mode == "int4_awq" and not awq_packed:  # GatherBlockQuantized's scales
+        total += projection(padded_vocab_size(model, tp) // tp, h)
+        if shared and tp > 1:
+            total += projection(model.vocab_size, h)
+        if tied and quant.mode == "int4_awq" and not awq_packed:  # GatherBlockQuantized's scales
             total += model.vocab_size * (h // quant.group_size) * compute
     return total
 

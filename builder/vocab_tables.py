@@ -23,7 +23,7 @@ from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
 from engine.plugins.gguf_tiles import gguf_gather, gguf_node
 from engine.plugins.linear import linear, quantized_gather, quantized_linear
-from engine.quantization.calibrated import SHARED_TABLE
+from engine.quantization.calibrated import EMBEDDING_TABLE, SHARED_TABLE
 from engine.quantization.weight_only import QuantizedWeight, quantize
 
 
@@ -59,10 +59,13 @@ class VocabTables:
             quant_matmul.float_runs(embedding.shape[0], kernel=p.engine_kernels_plugin)
         head = Head(tied, embedding.shape, float_tiles)
         if self.calibrated and self.q.quantize_lm_head and m.tie_word_embeddings and self.q.mode in SHARED_TABLE:
-            # the embedding reads the quantized lm_head's table (stored once); the float embedding is dropped
-            head.shared_calibrated = self.t.pop_calibrated("lm_head.weight", self.q.mode, self.q.group_size)
-            return calibrated_gather(g, head.shared_calibrated, ec.INPUT_IDS, name="/model/embed_tokens",
-                                     weight_name="lm_head.weight", plugin=p.weight_only_quant_matmul_plugin,
+            # the embedding reads the quantized lm_head's table (stored once); the float embedding is dropped. At
+            # tp > 1 it reads a whole copy of that table (quantization/calibrated.shard_calibrated), lm_head its shard
+            name = f"{EMBEDDING_TABLE}.weight" if self.tp > 1 else "lm_head.weight"
+            table = self.t.pop_calibrated(name, self.q.mode, self.q.group_size)
+            head.shared_calibrated = None if self.tp > 1 else table
+            return calibrated_gather(g, table, ec.INPUT_IDS, name="/model/embed_tokens",
+                                     weight_name=name, plugin=p.weight_only_quant_matmul_plugin,
                                      kernel=p.engine_kernels_plugin, accuracy_level=self.q.accuracy_level or 0), head
         if (tied or own_table) and self.head_quantized and self.scheme is not None:
             table = quantize(embedding, self.head_scheme, name="vocab_embedding.weight")
@@ -85,7 +88,7 @@ class VocabTables:
         m, g, p = self.m, self.g, self.p
         if head.gguf_table is not None:
             tiles, f = head.gguf_table
-            return gguf_node(g.scope("/lm_head"), normed, tiles, head.shape[0], f)
+            return gguf_node(g.scope("/lm_head"), normed, tiles, head.shape[0], f, float_x=self.q.float_activations)
         if self.gguf and not head.tied:
             return self.proj(normed, "lm_head.weight", "/lm_head")
         if head.shared_table is not None:

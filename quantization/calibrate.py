@@ -11,6 +11,8 @@
                   int4 weights per group of input features; layers that keep the checkpoint's 4-bit blocks
                   (QuantConfig.source_grid) are disabled, so only a quantized lm_head is calibrated, or nothing
     ──▶ per projection: the smoothed / AWQ-scaled weight quantized with ModelOpt's amax (calibrated.py)
+    tp > 1: calibrated once, as here, on the whole model; each rank job takes its slice of the result
+        (calibrated.shard_calibrated: scales split with the weights they belong to, as TensorRT-LLM splits them)
 
 Why at build and not a separate `engine quantize` step: the checkpoint is the only input the build needs, the
 calibrated scales can never drift from the weights they belong to, and every registered family calibrates

@@ -12,6 +12,12 @@ tensors the builder lowers, named next to their weight (TensorRT-LLM's names):
     w ~= values * weights_scaling_factor (per row / group),   y = (x * prequant) @ w^T
 
 `CalibratedTensors` overlays these on the checkpoint's tensors for one build; nothing here knows ONNX.
+
+Tensor parallelism: calibration runs once on the whole (tp 1) model, and `shard_calibrated` gives each rank the slice
+of it that goes with the rank's weights (TensorRT-LLM's split): the rows of column-parallel values and their
+per-output-channel scales (q/k/v by heads, a replicated KV head copied; gate/up; lm_head by vocabulary, padded), the
+columns of row-parallel values (attention.dense, mlp.down) with their per-input-channel scales (prequant, AWQ's
+group scales); per-tensor scales and scales along a dimension tp does not split are replicated.
 """
 from __future__ import annotations
 
@@ -20,6 +26,11 @@ from typing import Iterator, MutableMapping
 
 import ml_dtypes
 import numpy as np
+import torch
+
+from engine.core.config import ModelConfig
+from engine.core.sharding import PARTS, shard
+from engine.core.tensors import split_name
 
 CALIBRATED = ("int8_sq", "fp8", "int4_awq")
 # modes whose quantized lm_head table a tied embedding can read (ONNX Gather takes no float8 tensor)
@@ -107,6 +118,62 @@ def stored_bytes(mode: str, out_features: int, in_features: int, group_size: int
     if mode == "int4_awq":
         return out_features * in_features // 2 + 4 * out_features * (in_features // group_size) + 4 * in_features
     raise AssertionError(mode)
+
+
+_ROW_PARALLEL = ("attention.dense", "mlp.down")
+# the stem of a tied embedding's own quantized table at tp > 1 (not the checkpoint's name, which the builder pops)
+EMBEDDING_TABLE = "vocab_embedding.calibrated"
+
+
+def _rank_rows(stem: str, model: ModelConfig, tp: int, rank: int) -> np.ndarray:
+    """Indices of the tp-1 rows of packed `stem` ("layers.3.attention.qkv", "lm_head") that rank `rank` holds, in its
+    order; -1 marks a padding row (a vocabulary padded to a multiple of tp). core/sharding.shard picks them, so the
+    slices are the float weights' own."""
+    prefix, suffix, _ = split_name(f"{stem}.weight")
+    sizes = {"attention.q": model.q_size, "attention.k": model.kv_size, "attention.v": model.kv_size,
+             "mlp.gate": model.intermediate_size, "mlp.up": model.intermediate_size, "lm_head": model.vocab_size}
+    picked, start = [], 0
+    for part in PARTS.get(suffix, (suffix,)):
+        # 1-based so that the zero rows shard() pads a vocabulary with come out as -1
+        index = torch.arange(start + 1, start + sizes[part] + 1)
+        picked.append(shard(f"{prefix}{part}.weight", index, model, tp, rank).numpy() - 1)
+        start += sizes[part]
+    return np.concatenate(picked)
+
+
+def _take_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    out = a[np.maximum(rows, 0)]
+    out[rows < 0] = 0   # padding rows: zero values and scales, as the float lm_head's padding
+    return out
+
+
+def shard_calibrated(calibrated: dict[str, np.ndarray], model: ModelConfig, mode: str, tp: int,
+                     rank: int) -> dict[str, np.ndarray]:
+    """The calibrated tensors of rank `rank` of `tp` from those of the whole model (see the module docstring). A tied
+    embedding that reads the quantized lm_head's table (SHARED_TABLE) gets the whole table as EMBEDDING_TABLE.*: a
+    rank gathers any token's row, while its lm_head is its vocabulary shard."""
+    if tp == 1:
+        return dict(calibrated)
+    out = {}
+    if model.tie_word_embeddings and mode in SHARED_TABLE and "lm_head.weight" in calibrated:
+        out.update({f"{EMBEDDING_TABLE}.{name[len('lm_head.'):]}": a for name, a in calibrated.items()
+                    if name.startswith("lm_head.")})
+    for name, a in calibrated.items():
+        stem, _, suffix = name.rpartition(".")
+        if a.ndim == 0 or suffix == "activation_scaling_factor":
+            out[name] = a                                   # per-tensor: replicated
+        elif split_name(f"{stem}.weight")[1] in _ROW_PARALLEL:
+            # row-parallel: the values' columns, AWQ's group scales [out, in/g] and the input scale [in] with them;
+            # per-output-channel scales [out] (int8_sq) are replicated
+            if suffix == "weights_scaling_factor" and a.ndim == 1:
+                out[name] = a
+            else:
+                out[name] = np.ascontiguousarray(np.split(a, tp, axis=a.ndim - 1)[rank])
+        elif suffix == "prequant_scaling_factor":
+            out[name] = a                                   # column-parallel: the input (hidden) is whole on every rank
+        else:
+            out[name] = np.ascontiguousarray(_take_rows(a, _rank_rows(stem, model, tp, rank)))
+    return out
 
 
 class CalibratedTensors(MutableMapping):

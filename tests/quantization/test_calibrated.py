@@ -224,8 +224,9 @@ def test_bad_input(tiny, tmp_path, monkeypatch, capsys):
     model = load_checkpoint_config(ckpt).model
     with pytest.raises(EngineError, match="--group-size applies to weight-only and int4_awq"):
         modes.resolve(QuantConfig(mode="int8_sq", group_size=32), model, 1)
-    with pytest.raises(EngineError, match="calibrates a tp 1 engine only"):
-        modes.resolve(QuantConfig(mode="fp8"), model, 2)
+    with pytest.raises(EngineError, match="int8_sq builds tp 1 engines only \\(--tp 2\\).*fp8 or int4_awq at --tp 2"):
+        modes.resolve(QuantConfig(mode="int8_sq"), model, 2)
+    assert modes.resolve(QuantConfig(mode="fp8"), model, 2).mode == "fp8"   # sharded (tests/tp/test_calibrated_tp.py)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n", encoding="utf-8")
     with pytest.raises(EngineError, match="holds no text"):
