@@ -129,7 +129,8 @@ class _Builder(VocabTables):
                                      accuracy_level=self.q.accuracy_level or 0, kernel=self.p.engine_kernels_plugin)
         parts = self.t.gguf_parts(weight_name) if self.gguf else None
         if parts is not None:
-            return gguf_linear(self.g, x, parts, bias, name=name, weight_name=weight_name)
+            return gguf_linear(self.g, x, parts, bias, name=name, weight_name=weight_name,
+                               float_x=self.q.float_activations)
         return linear(self.g, x, self.take(weight_name), bias, name=name, weight_name=weight_name,
                       scheme=self.scheme, plugin=self.p.weight_only_quant_matmul_plugin,
                       kernel=self.p.engine_kernels_plugin)

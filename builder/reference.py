@@ -1,6 +1,7 @@
 """The unquantized reference of a quantized build: the same model, limits and plugins with float weights and a float
-KV cache, tp 1, on onnxruntime. Built once, next to the engine being built, the first time something needs it, and
-deleted with the build whatever happens:
+KV cache, tp 1, on onnxruntime (for --dtype gguf: the kept blocks, exact, with float32 activations: reference_quant).
+Built once, next to the engine being built, the first time something needs it, and deleted with the build whatever
+happens:
 
     sample(...)            calibration text when no --calib-data is given: sequences the reference samples itself
                            (temperature 1, seeded) through its paged KV cache, SAMPLE_BATCH at a time
@@ -20,6 +21,7 @@ from engine.core.artifacts import save_sealed
 from engine.core.config import Mapping, QuantConfig
 from engine.core.engine_config import BuildConfig, EngineConfig, PluginConfig
 from engine.core.errors import EngineError
+from engine.quantization.modes import GGUF
 from engine.quantization.accuracy import AccuracyOptions, accuracy_report, chat_windows, held_out_windows
 from engine.runtime.engine_dir import backend_version
 
@@ -28,6 +30,14 @@ from .memory import memory_plan
 # sequences sampled together. SmolLM2 fp32, 2 threads, 128 tokens each: 136 / 156 / 158 tok/s at 16 / 32 / 64
 # (bench/NOTES.md entry 14); 32 x 512 tokens take a 0.75 GB KV pool
 SAMPLE_BATCH = 32
+
+
+def reference_quant(quant: QuantConfig) -> QuantConfig:
+    """The reference's quantization: none (float32 weights), or for --dtype gguf the kept blocks with float32
+    activations, the same weights at the gguf engine's size instead of 4 bytes a weight (bench/NOTES.md 53)."""
+    if quant.mode != GGUF:
+        return QuantConfig()
+    return QuantConfig(mode=GGUF, formats=quant.formats, accuracy_level=quant.accuracy_level, float_activations=True)
 
 
 class ReferenceEngine:
@@ -57,12 +67,14 @@ class ReferenceEngine:
                                         max_batch_size=max(b.max_batch_size, SAMPLE_BATCH),
                                         max_num_tokens=max(b.max_num_tokens, SAMPLE_BATCH))
             plugins = config.plugins if on_ort else PluginConfig()
+            quant = reference_quant(config.quantization)
             reference = dataclasses.replace(config, build=build, plugins=plugins, mapping=Mapping(),
-                                            quantization=QuantConfig(), memory=memory_plan(config.model, build),
+                                            quantization=quant,
+                                            memory=memory_plan(config.model, build, quant, plugins),
                                             precision={}, backend_version=backend_version("onnxruntime"),
                                             backend_device={})
             self._dir = Path(tempfile.mkdtemp(prefix=".reference-", dir=self._parent))
-            build_rank(RankJob(self._ckpt_dir, self._dir, 0, build, plugins))
+            build_rank(RankJob(self._ckpt_dir, self._dir, 0, build, plugins, quant))
             save_sealed(self._dir, reference)
         return self._dir
 

@@ -120,6 +120,7 @@ name (a stacked q|k|v of mixed kinds by its parts' logical names), and their kin
     source_grid: bool = False
     lm_head_dtype: str = "float32"
     formats: dict = field(default_factory=dict)  # gguf: each tensor kept as blocks -> its GGUF kind ("Q4_K")
+    float_activations: bool = False  # gguf's accuracy reference: the kept blocks with float32 activations
 
 
 @dataclass(frozen=True)

@@ -166,23 +166,26 @@ def reference(x: np.ndarray, dec: Decoded) -> np.ndarray:
 
 
 def gguf_linear(g: Graph, x: str, parts: list[GGUFTensor], bias: np.ndarray | None, *, name: str,
-                weight_name: str) -> str:
+                weight_name: str, float_x: bool = False) -> str:
     """x @ W^T (+ bias) for a weight kept as GGUF blocks: one QuantMatMul over its tiles (initializer
     `weight_name`), or, for a stacked weight whose parts are of different kinds (a Q6_K v beside Q4_K q and k), one
-    a part, concatenated."""
+    a part, concatenated. `float_x`: x stays float32 (gguf_node)."""
     op = g.scope(name)
     outputs = []
     for i, part in enumerate(parts):
         blocks, f = pack_tensor(part)
         tiles = g.weight(weight_name if len(parts) == 1 else f"{weight_name}.part{i}", blocks)
-        outputs.append(gguf_node(op, x, tiles, part.shape[0], f))
+        outputs.append(gguf_node(op, x, tiles, part.shape[0], f, float_x=float_x))
     y = outputs[0] if len(outputs) == 1 else op("Concat", outputs, axis=-1)
     return _add_bias(g, op, y, bias, bias_name_for(weight_name))
 
 
-def gguf_node(op: Scope, x: str, tiles: str, n: int, f: Format) -> str:
-    """x [T, K] @ W^T for the N columns whose tiles (pack) are initializer `tiles`: the engine's QuantMatMul."""
-    return op("QuantMatMul", [x, tiles], domain=ENGINE_DOMAIN, N=n, **f.attributes())
+def gguf_node(op: Scope, x: str, tiles: str, n: int, f: Format, *, float_x: bool = False) -> str:
+    """x [T, K] @ W^T for the N columns whose tiles (pack) are initializer `tiles`: the engine's QuantMatMul, its
+    activations rounded to int8 per block as llama.cpp rounds them, or with `float_x` kept float32 over the tiles'
+    weights dequantized (the float32 engine of the same weights, at the gguf engine's size: its accuracy reference)."""
+    extra = {"float_x": 1} if float_x else {}
+    return op("QuantMatMul", [x, tiles], domain=ENGINE_DOMAIN, N=n, **f.attributes(), **extra)
 
 
 def gguf_gather(g: Graph, table: GGUFTensor, indices: str, *, name: str, weight_name: str) -> tuple[str, Format]:

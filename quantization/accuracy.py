@@ -136,7 +136,8 @@ def chat_windows(reference_dir: Path, tokenizer_dir: Path,
     return seqs, starts
 
 
-def compare(reference_dir: Path, quantized_dir: Path, windows: list[list[int]], starts: list[int] | None = None) -> dict:
+def compare(reference_dir: Path, quantized_dir: Path, windows: list[list[int]],
+            starts: list[int] | None = None) -> dict:
     """Both engines teacher-forced over `windows` (each a fresh sequence), scoring the predictions of tokens
     starts[i].. of window i (default: every token after the first): perplexities, top-1 agreement, mean KL."""
     starts = starts or [1] * len(windows)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "quant_tiles.h"
 
@@ -191,8 +192,20 @@ inline void float_pair(const QuantJob& j, const int64_t tile[2], int64_t t0, int
 }
 
 // Rows t0 .. t1 - 1 of tile tl (cols <= 16 of its columns) into o, for the job's weights: float32 or quantized.
+// A quantized tile with float32 activations (QuantJob::float_x): its weights dequantized into a buffer of this
+// thread's, then the float tiles over it: x @ W^T in float32 on the very weights the tile holds.
+inline void float_x_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
+  thread_local std::vector<float> weights;
+  weights.resize(static_cast<size_t>(j.k * kLanes));
+  dequantize_tile(j, tl, weights.data());
+  QuantJob view = j;
+  view.w = reinterpret_cast<const uint8_t*>(weights.data());
+  float_tile(view, 0, t0, t1, cols, o);
+}
+
 inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
   if (j.bits == kFloatBits) float_tile(j, tl, t0, t1, cols, o);
+  else if (j.float_x) float_x_tile(j, tl, t0, t1, cols, o);
   else int_tile(j, tl, t0, t1, cols, o);
 }
 
@@ -201,8 +214,8 @@ inline void tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t 
 inline void tile_pair(const QuantJob& j, const int64_t tiles[2], int64_t t0, int64_t t1, const int64_t cols[2],
                       const TileOut out[2]) {
   if (j.bits == kFloatBits) return float_pair(j, tiles, t0, t1, cols, out);
-  int_tile(j, tiles[0], t0, t1, cols[0], out[0]);
-  int_tile(j, tiles[1], t0, t1, cols[1], out[1]);
+  tile(j, tiles[0], t0, t1, cols[0], out[0]);
+  tile(j, tiles[1], t0, t1, cols[1], out[1]);
 }
 
 }  // namespace quant

@@ -175,11 +175,12 @@ void swiglu_tiles(const QuantJob& j, int64_t t0, int64_t t1, int64_t first, int6
                      static_cast<size_t>(t * blocks + b), j.next_zero);
 }
 
-// Item i: rows [kRowChunk * (i / tile_items), +kRowChunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk) (of
+// Item i: rows [row_chunk * (i / tile_items), +row_chunk) x tiles [tile_chunk * (i % tile_items), +tile_chunk) (of
 // the gate tiles, with swiglu).
 void matmul_item(void* opaque, size_t i) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
-  const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * kRowChunk, t1 = std::min(j.tokens, t0 + kRowChunk);
+  const int64_t t0 = static_cast<int64_t>(i) / j.tile_items * j.row_chunk;
+  const int64_t t1 = std::min(j.tokens, t0 + j.row_chunk);
   const int64_t first = static_cast<int64_t>(i) % j.tile_items * j.tile_chunk;
   const int64_t last = std::min(j.item_tiles(), first + j.tile_chunk);
   if (j.swiglu) return swiglu_tiles(j, t0, t1, first, last);
@@ -211,7 +212,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   // Float32 tiles take every call on the vector code, x as it is. With the SwiGLU epilogue the bfloat16 and the
   // vector tiles write silu(gate) * up themselves (their items take a gate tile with its up tile); the AMX int8
   // tiles write the projection [T, N] here first.
-  const bool floats = p.bits == kFloatBits, tiled = plain_blocks(p.bits, p.scales);
+  const bool floats = p.bits == kFloatBits, tiled = plain_blocks(p.bits, p.scales) && !p.float_x;
   const bool bf16 = tiled && bf16_rows(tokens), amx = tiled && amx_rows(tokens), staged = p.swiglu && !bf16 && amx;
   thread_local std::vector<float> projection;
   if (staged) projection.resize(static_cast<size_t>(tokens * p.n));
@@ -221,6 +222,8 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
                staged ? projection.data() : out, &a, tokens, k, p.n, p.bits, p.group,
                k / p.group, block_bytes(p.bits, p.group, p.scales), tiles, 0, 0, p.offsets, p.swiglu && !staged};
   job.scales = p.scales;
+  job.float_x = p.float_x;
+  if (p.float_x) job.row_chunk = tokens;
   // A lone row is spread over ~8 items of tiles, or ~32 of float32 tiles (4-8x the bytes of 8- and 4-bit ones), so
   // the threads end a 576-column projection within one 36 KB tile of each other (a float32 decode step 1.01-1.02x;
   // the 4-bit one took 0.98x from the finer cut: bench/NOTES.md entry 50). Many rows take whole row chunks of up to
@@ -228,7 +231,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   // sharing 9 items run 5 and 4, and a 32-decode step's o_proj, down and q|k|v projections had 9, 9 and 15 (entry
   // 48). The SwiGLU items keep whole blocks of the next projection, which they quantize.
   const bool quantizes_next = quantized.after != nullptr && quantized.after->bits != kFloatBits;
-  const int64_t row_chunks = (tokens + kRowChunk - 1) / kRowChunk;
+  const int64_t row_chunks = (tokens + job.row_chunk - 1) / job.row_chunk;
   const int64_t g = quantizes_next ? act_group(quantized.after->group, quantized.after->scales) : 0;
   job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / (floats ? 32 : 8), 1, 4) : 4;
   // float32 items keep pairs of tiles, whose rows share x's broadcasts (float_tiles.h float_pair)
@@ -246,14 +249,15 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     parallel_for(api, context, bf16_item_count(job), bf16_items, &job);
     return false;
   }
-  if (quantized.x == nullptr && !floats) {
+  if (quantized.x == nullptr && !floats && !p.float_x) {
     sized_for(a, tokens, k, act_group(p.group, p.scales));
     if (tokens == 1) quantize_row(&job, 0);
     else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
   }
   // The SwiGLU tiles quantize their output for the next projection when their items' columns are its whole blocks
   const int64_t width = p.n / 2;
-  if (quantized.next && quantizes_next && job.swiglu && width % g == 0 && job.tile_chunk * kLanes % g == 0) {
+  if (quantized.next && quantizes_next && !quantized.after->float_x && job.swiglu && width % g == 0 &&
+      job.tile_chunk * kLanes % g == 0) {
     sized_for(*quantized.next, tokens, width, g);
     job.next = quantized.next;
     job.next_group = g;
@@ -294,7 +298,8 @@ Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::s
           "scales=2 takes 6 bits without offsets in blocks of 256");
   const bool swiglu = sized && api.optional_int(info, (prefix + "swiglu").c_str(), 0) != 0;
   require(!swiglu || n % (2 * kLanes) == 0, kName, "with swiglu=1, N / 2 must be a multiple of 16");
-  return {n, bits, group, offsets != 0, swiglu, scales};
+  const bool float_x = api.optional_int(info, (prefix + "float_x").c_str(), 0) != 0;
+  return {n, bits, group, offsets != 0, swiglu, scales, float_x};
 }
 
 namespace {

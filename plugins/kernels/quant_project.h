@@ -15,6 +15,7 @@ struct Projection {
   int64_t n, bits, group;
   bool offsets, swiglu;
   int64_t scales = 0;
+  bool float_x = false;  // float32 activations over the dequantized weights (an accuracy report's reference)
   int64_t out_n() const { return swiglu ? n / 2 : n; }
 };
 

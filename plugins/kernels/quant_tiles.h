@@ -69,6 +69,8 @@ struct QuantJob {
   int64_t next_group = 0;
   int32_t next_zero = 0;  // the zero point of the next projection's weights (0 with offsets)
   int64_t scales = 0;     // kScales* below: how a block's header scales its sub-blocks
+  bool float_x = false;   // x stays float32: each tile is dequantized and run as float32 tiles (float_tiles.h)
+  int64_t row_chunk = kRowChunk;  // rows per work item: with float_x all of them, so a tile is dequantized once
   // The tiles the vector tiles' items are cut from: with swiglu the gate tiles, each taken with its up tile
   int64_t item_tiles() const { return swiglu ? tiles / 2 : tiles; }
 };
@@ -374,7 +376,8 @@ void ktile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const
           const __m512 rd = _mm512_set1_ps(da[r * blocks + ab]);
           ENGINE_UNROLL
           for (int h = 0; h < 2; ++h) {
-            const __m512i centred = _mm512_sub_epi32(dot[r][h], _mm512_set1_epi32(32 * sum16[r * 2 * blocks + 2 * ab + h]));
+            const int32_t zero = 32 * sum16[r * 2 * blocks + 2 * ab + h];
+            const __m512i centred = _mm512_sub_epi32(dot[r][h], _mm512_set1_epi32(zero));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale[h], rd), acc[r]);
           }
         }
@@ -418,8 +421,10 @@ inline __m256i shifted(__m256i v) {
 // Register I's bit 4 (5 bits) or bits 4-5 (6 bits) from the half's high-bit planes, as the AVX-512 load_sub takes them.
 template <int I, int Bits>
 inline __m256i with_high_bits(__m256i w, const __m256i* planes) {
-  if constexpr (Bits == 5) return _mm256_or_si256(w, _mm256_and_si256(shifted<4 - I>(planes[0]), _mm256_set1_epi8(0x10)));
-  else return _mm256_or_si256(w, _mm256_and_si256(shifted<4 - 2 * (I % 4)>(planes[I / 4]), _mm256_set1_epi8(0x30)));
+  if constexpr (Bits == 5)
+    return _mm256_or_si256(w, _mm256_and_si256(shifted<4 - I>(planes[0]), _mm256_set1_epi8(0x10)));
+  else
+    return _mm256_or_si256(w, _mm256_and_si256(shifted<4 - 2 * (I % 4)>(planes[I / 4]), _mm256_set1_epi8(0x30)));
 }
 
 // The 8 registers of half `half` (8 columns) of one sub-block of 4, 5 or 6 bits: register i holds k = 4 i .. 4 i + 3.
@@ -702,7 +707,8 @@ inline ValueScale value_scale(const uint8_t* block, int64_t bits, bool offsets, 
             -(half_to_float(block + 32 + 2 * c) * static_cast<float>(sub_scales[128 + 16 * s + c]))};
   }
   if (scales == kScales16) {
-    const float d = half_to_float(block + 2 * c) * static_cast<float>(static_cast<int8_t>(sub_scales[16 * (kk / 16) + c]));
+    const auto sc = static_cast<int8_t>(sub_scales[16 * (kk / 16) + c]);
+    const float d = half_to_float(block + 2 * c) * static_cast<float>(sc);
     return {d, -32 * d};
   }
   if (offsets) return {half_to_float(block + 2 * c), half_to_float(block + 32 + 2 * c)};
@@ -740,6 +746,73 @@ inline void plain_any_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1
         }
       o.row(t)[c] = acc;
     }
+}
+
+#ifdef ENGINE_KERNELS_VNNI
+// The 16 columns' (scale, minimum) of sub-block s of a block (value_scale's, vectorized), for each half of 16
+// values: w = scale * q + minimum.
+inline void sub_scales(const uint8_t* block, const QuantJob& j, int64_t s, __m512 scale[2], __m512 minimum[2]) {
+  const __m512 d = j.offsets || j.scales ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)))
+                                         : _mm512_loadu_ps(reinterpret_cast<const float*>(block));
+  const uint8_t* sub = block + kHeader;
+  if (j.scales == kScales16) {
+    for (int h = 0; h < 2; ++h) {
+      scale[h] = _mm512_mul_ps(d, bytes_ps<true>(sub + 32 * s + 16 * h));
+      minimum[h] = _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale[h]);
+    }
+    return;
+  }
+  const __m512 m = j.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)))
+                             : _mm512_setzero_ps();
+  if (j.scales == kScalesMin) {
+    scale[0] = scale[1] = _mm512_mul_ps(d, bytes_ps<false>(sub + 16 * s));
+    minimum[0] = minimum[1] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(m, bytes_ps<false>(sub + 128 + 16 * s)));
+  } else {
+    scale[0] = scale[1] = d;
+    minimum[0] = minimum[1] = j.offsets ? m : _mm512_mul_ps(_mm512_set1_ps(-static_cast<float>(1 << (j.bits - 1))), d);
+  }
+}
+#endif
+
+// Tile tl's K x 16 weights as float32 in float_tiles.h's layout (out[k * 16 + c]), each value scale * q + minimum
+// with one rounding: for GGUF's kinds the value gguf dequantizes (gguf_tiles.py), for RTN weights within a rounding
+// of (q - zero_point) * d. The vector code takes the blocks a sub-block at a time: register i's 32-bit lane c holds
+// column c's values k = 4 i .. 4 i + 3, byte e each.
+inline void dequantize_tile(const QuantJob& j, int64_t tl, float* out) {
+  const uint8_t* p = j.w + tl * j.groups * j.block_bytes;
+  for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes) {
+#ifdef ENGINE_KERNELS_VNNI
+    {
+      for (int64_t s = 0; s < j.group / kSub; ++s) {
+        __m512i w[8];
+        const uint8_t* sub = sub_block(p, j.bits, j.scales, s);
+        switch (j.bits) {
+          case 4: load_sub<4>(sub, w); break;
+          case 5: load_sub<5>(sub, w); break;
+          case 6: load_sub<6>(sub, w); break;
+          default: load_sub<8>(sub, w); break;
+        }
+        __m512 scale[2], minimum[2];
+        sub_scales(p, j, s, scale, minimum);
+        float* rows = out + (b * j.group + s * kSub) * kLanes;
+        for (int i = 0; i < 8; ++i)
+          for (int e = 0; e < 4; ++e) {
+            const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(w[i], _mm512_set1_epi32(8 * e)),
+                                               _mm512_set1_epi32(0xFF));
+            _mm512_storeu_ps(rows + (4 * i + e) * kLanes,
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale[i / 4], minimum[i / 4]));
+          }
+      }
+      continue;
+    }
+#endif
+    for (int64_t kk = 0; kk < j.group; ++kk)
+      for (int64_t c = 0; c < kLanes; ++c) {
+        const ValueScale v = value_scale(p, j.bits, j.offsets, j.scales, c, kk);
+        const int32_t q = weight_at(sub_block(p, j.bits, j.scales, kk / kSub), j.bits, c, kk % kSub);
+        out[(b * j.group + kk) * kLanes + c] = std::fma(static_cast<float>(q), v.scale, v.minimum);
+      }
+  }
 }
 
 #if defined(ENGINE_KERNELS_VNNI) || defined(ENGINE_KERNELS_AVX2)

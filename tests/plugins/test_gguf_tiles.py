@@ -34,9 +34,9 @@ def raw_weight(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def quant_matmul(x: np.ndarray, blocks: np.ndarray, f: gguf_tiles.Format, n: int) -> np.ndarray:
-    return run_op(lambda g, xs: g.scope("/proj")("QuantMatMul", [xs, g.weight("proj.weight", blocks)],
-                                                 domain=ENGINE_DOMAIN, N=n, **f.attributes()), {"x": x}, threads=2)
+def quant_matmul(x: np.ndarray, blocks: np.ndarray, f: gguf_tiles.Format, n: int, float_x: bool = False) -> np.ndarray:
+    return run_op(lambda g, xs: gguf_tiles.gguf_node(g.scope("/proj"), xs, g.weight("proj.weight", blocks), n, f,
+                                                     float_x=float_x), {"x": x}, threads=2)
 
 
 def quant_gather(blocks: np.ndarray, f: gguf_tiles.Format, ids: np.ndarray) -> np.ndarray:
@@ -45,15 +45,19 @@ def quant_gather(blocks: np.ndarray, f: gguf_tiles.Format, ids: np.ndarray) -> n
 
 
 def check_products(kind: str, rows: tuple[int, ...] = (1, 3, 11, 21)) -> None:
+    """Int8 activations against gguf_tiles.reference; float32 ones (float_x, the accuracy report's reference)
+    against the float64 product of x and gguf's own dequantization."""
     n, k = 40, 512   # a partial last tile of 16 columns; two K-quant super-blocks
-    dec = decode(raw_weight(kind, n, k, 1), kind, k)
+    raw = raw_weight(kind, n, k, 1)
+    dec = decode(raw, kind, k)
     blocks, f = gguf_tiles.pack(dec)
-    for t in rows:
+    weights = gguf_dequantize(raw, GGMLQuantizationType[kind]).astype(np.float64)
+    for t in rows + (70,):   # 70: two row chunks of the kernel's items
         x = np.random.default_rng(t).standard_normal((t, k)).astype(np.float32)
-        expected = gguf_tiles.reference(x, dec)
-        scale = np.abs(expected).max()
-        np.testing.assert_allclose(quant_matmul(x, blocks, f, n), expected, rtol=1e-5, atol=1e-5 * scale,
-                                   err_msg=f"{kind}, {t} rows")
+        for float_x, expected in ((False, gguf_tiles.reference(x, dec)), (True, (x @ weights.T).astype(np.float32))):
+            scale = np.abs(expected).max()
+            np.testing.assert_allclose(quant_matmul(x, blocks, f, n, float_x), expected, rtol=1e-5,
+                                       atol=1e-5 * scale, err_msg=f"{kind}, {t} rows, float_x {float_x}")
 
 
 needs_int8_dot = pytest.mark.skipif(not native.has_int8_dot(), reason="no AVX-512 VNNI or AVX2 on this CPU")

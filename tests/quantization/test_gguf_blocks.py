@@ -1,7 +1,8 @@
 """quantization/gguf_blocks: GGUF blocks decoded into their stored integers and scale fields. gguf-py (llama.cpp's
 Python package) is the reference: its dequantize must come back bit for bit, and the decoded fields must re-encode
 into the very bytes they came from. gguf-py quantizes only Q4_0..Q8_0; the K types are checked on random blocks
-(every byte pattern is a valid block once d and dmin are finite float16) and on a real Q4_K_M file (the test cache's Qwen2.5-Coder-0.5B)."""
+(every byte pattern is a valid block once d and dmin are finite float16) and on a real Q4_K_M file (the test cache's
+Qwen2.5-Coder-0.5B)."""
 from __future__ import annotations
 
 

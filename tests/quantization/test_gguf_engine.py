@@ -31,7 +31,11 @@ pytestmark = pytest.mark.skipif(not native.has_int8_dot(), reason="--dtype gguf 
 LOGITS_RELATIVE_RMS = 0.03
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
+# families whose GGUF holds q, k and v apart (Phi-3's fused attn_qkv is one kind: test_gguf_families covers it)
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def gguf_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     arch, root = request.param, tmp_path_factory.mktemp(f"gguf_{request.param}")
     write_tiny_gguf(root / "tiny.gguf", arch, "mix")
@@ -40,8 +44,8 @@ def gguf_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     return arch, root / "ckpt"
 
 
-def build(ckpt: Path, out: Path, mode: str | None) -> Path:
-    build_engine(ckpt, out, TEST_BUILD, ALL_PLUGINS, quant=QuantConfig(mode=mode), accuracy=NO_REPORT)
+def build(ckpt: Path, out: Path, mode: str | None, **quant) -> Path:
+    build_engine(ckpt, out, TEST_BUILD, ALL_PLUGINS, quant=QuantConfig(mode=mode, **quant), accuracy=NO_REPORT)
     return out
 
 
@@ -69,6 +73,19 @@ def test_engine_runs_each_kind_on_its_tiles_within_rounding_of_float32(gguf_chec
         actual = ScoringSession(engine, len(ids)).logits(ids)
         expected = ScoringSession(reference, len(ids)).logits(ids)
         assert relative_rms(actual, expected) <= LOGITS_RELATIVE_RMS
+
+
+def test_float_activations_over_the_tiles_are_the_float32_engine(gguf_checkpoint, tmp_path):
+    """The accuracy report's reference for gguf builds (builder/reference.reference_quant): the kept tiles with
+    float32 activations compute what the float32 engine of the same checkpoint computes, up to the order of sums."""
+    _, ckpt = gguf_checkpoint
+    engine = build(ckpt, tmp_path / "ref", "gguf", float_activations=True)
+    reference = build(ckpt, tmp_path / "float", None)
+    vocab = load_checkpoint_config(ckpt).model.vocab_size
+    for ids in np.random.default_rng(5).integers(0, vocab, (2, 23)).tolist():
+        actual = ScoringSession(engine, len(ids)).logits(ids)
+        expected = ScoringSession(reference, len(ids)).logits(ids)
+        assert relative_rms(actual, expected) <= 1e-5
 
 
 def weight_formats(model: onnx.ModelProto) -> set[tuple[int, int, int, int]]:
