@@ -32,8 +32,9 @@ def build_command(
     checkpoint_dir: Path = typer.Option(..., "--checkpoint-dir", help="Checkpoint directory made by `engine convert`."),
     output_dir: Path = typer.Option(..., "--output-dir", help="Engine directory to create."),
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Most sequences in one step (sequences)."),
-    max_input_len: Optional[int] = typer.Option(None, "--max-input-len", help="Longest prompt (tokens).",
-                                                show_default="1024, at most --max-seq-len"),
+    max_input_len: Optional[int] = typer.Option(None, "--max-input-len", help="Longest prompt (tokens); a cap for "
+                                                "those who want one: prefill runs in chunks of --max-num-tokens.",
+                                                show_default="--max-seq-len"),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Longest sequence, prompt + output "
                                               "(tokens).", show_default="the model's max_position_embeddings"),
     max_num_tokens: int = typer.Option(2048, "--max-num-tokens", help="Most tokens computed in one step, all "
@@ -184,7 +185,8 @@ def build_command(
     ckpt = load_checkpoint_config(checkpoint_dir)
     seq = max_seq_len if max_seq_len is not None else ckpt.model.max_position_embeddings
     build = BuildConfig(
-        max_batch_size=max_batch_size, max_input_len=max_input_len if max_input_len is not None else min(1024, seq),
+        # any prompt that fits the sequence, as vLLM's max_model_len: chunked prefill bounds each step, not the prompt
+        max_batch_size=max_batch_size, max_input_len=max_input_len if max_input_len is not None else seq,
         max_seq_len=seq, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
         kv_cache_dtype=kv_cache_dtype, dtype=compute_dtype, backend=backend,
         tp_size=tp if tp is not None else ckpt.mapping.tp_size, opt_level=opt_level)

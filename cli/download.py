@@ -14,8 +14,8 @@ from .progress import progress_bar
 def download_command(
     name: str = typer.Argument(
         ..., metavar="NAME", show_default=False,
-        help="The model: qwen2.5-coder-0.5b-instruct-q4_k_m, qwen2.5-coder-1.5b-instruct-q4_k_m or "
-             "smollm2-135m-instruct-q4_1."),
+        help="The model: qwen2.5-coder-0.5b-instruct-q4_k_m, qwen2.5-coder-1.5b-instruct-q4_k_m, "
+             "smollm2-135m-instruct-q4_1 or gemma-3-270m-q4_k_m (a base model: no chat template)."),
     cache_dir: Optional[Path] = typer.Option(
         None, "--cache-dir", show_default="$ENGINE_MODEL_CACHE, else ~/.cache/engine/models",
         help="Directory that keeps the downloaded files; a verified file already there is reused."),

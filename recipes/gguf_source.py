@@ -2,20 +2,24 @@
 and the tokenizer (with its chat template) recovered from the file's metadata.
 
     GGUF file ──read_gguf_metadata (once, vocabulary skipped)──▶ metadata ──▶ HF config (architectures, float32)
-              ──tensor table──▶ (offset, type, shape) ──memory map, one tensor──▶ gguf.quants.dequantize ──▶
-                 float32 ──undo q/k permutation──▶ HF tensor
+              ──tensor table──▶ (offset, type, shape) ──read one tensor──▶ gguf.quants.dequantize ──▶
+                 float32 ──undo q/k permutation (llama), 1 + w of norms (Gemma)──▶ HF tensor
+                 (keep_quantized: a kept kind's blocks as they are, rows permuted as the processor would: GGUFTensor)
               ──the tokenizer class AutoTokenizer picks (gguf_file=...)──▶ tokenizer.json, tokenizer_config.json
 
 What transformers makes from the same file is the reference, so each step is transformers' own: its metadata reader
-and config tables, its tensor processor (the q/k un-permutation), the tokenizer class and GGUF tokenizer converter
-AutoTokenizer uses. Two shortcuts cut opening SmolLM2-135M (names and tokenizer) from ~25 s to ~1 s past the imports,
-and tests check both against transformers:
-- for llama/qwen2/qwen3, transformers 5.24 builds the config with its legacy loader (load_gguf_checkpoint), which
-  decodes every metadata value through gguf.GGUFReader, a 49k-token vocabulary included (~12 s), to use a dozen
-  numbers; gguf_config_dict applies the same tables to metadata read once, string arrays skipped;
+and config tables, its tensor processor (llama's q/k un-permutation, Gemma's norm - 1), the tokenizer class and GGUF
+tokenizer converter AutoTokenizer uses. Two shortcuts cut opening SmolLM2-135M (names and tokenizer) from ~25 s to
+~1 s past the imports, and tests check both against transformers:
+- for every architecture here, transformers 5.24-5.25 builds the config with its legacy loader
+  (load_gguf_checkpoint), which decodes every metadata value through gguf.GGUFReader, a 49k-token vocabulary
+  included (~12 s), to use a dozen numbers; gguf_tables.gguf_config_dict applies the same tables to metadata read
+  once, string arrays skipped;
 - AutoTokenizer runs that legacy loader again only to choose the tokenizer class; _write_tokenizer makes the same
   choice from the config class at hand, and the class reads just the vocabulary and merges it needs.
 
+Hyperparameters a file states that transformers' GGUF config does not read (Gemma's attention scale and soft-caps,
+Phi-3's rotary width, rope scaling) are refused unless they equal the config's: no correct model exists otherwise.
 The tokenizer files live in a temporary directory this source owns: use it as a context manager or call close().
 This module knows GGUF and HF names; it must not know canonical names (the family recipes own those).
 """
@@ -35,43 +39,7 @@ from engine.core.manifest import digest_file
 from engine.quantization.gguf_tensor import GGUFTensor, keeps
 
 from . import RECIPES
-
-# GGUF `general.architecture` -> the HF architecture llama.cpp's convert_hf_to_gguf.py made it from.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",  # Llama 1-3, SmolLM2, TinyLlama; Mistral 7B is written as llama too
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-# GGUF tensor name -> HF tensor name; "{i}" stands for the layer index (llama.cpp's gguf-py tensor_mapping.py).
-_LLAMA_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",  # absent when the embedding is tied
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",  # rows permuted by llama.cpp
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",  # rows permuted by llama.cpp
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-TENSOR_NAMES = {
-    "llama": _LLAMA_TENSORS,
-    "qwen2": {  # Qwen2 / Qwen2.5: bias on q, k, v
-        **_LLAMA_TENSORS,
-        "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-        "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-        "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    },
-    "qwen3": {  # Qwen3: RMSNorm of q and k per head
-        **_LLAMA_TENSORS,
-        "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-        "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    },
-}
+from .gguf_tables import GGUF_ARCHITECTURES, TENSOR_NAMES, UNREAD, gguf_config_dict
 
 
 def supported_architectures() -> list[str]:
@@ -95,6 +63,7 @@ class GGUFSource:
         self._tensors = {t.name: t for t in _tensor_table(self.path)}
         self._refuse_rope_scaling()
         self._config, self._generation, processor_config, self._config_class = self._load_config()
+        self._refuse_unread_metadata()
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
         self._processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=processor_config)
         self._hf_names = self._map_names()
@@ -110,10 +79,24 @@ class GGUFSource:
     def _refuse_rope_scaling(self) -> None:
         """transformers reads no rope scaling from a GGUF, so neither a match with it nor a correct model exists."""
         scaling = self._metadata.get(f"{self.architecture}.rope.scaling.type", "none")
-        if scaling != "none" or "rope_freqs.weight" in self._tensors:
-            what = f"rope scaling {scaling!r}" if scaling != "none" else "per-dimension rope factors (rope_freqs)"
+        factors = [n for n in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+                   if n in self._tensors]   # llama 3.1's and Phi-3 longrope's per-dimension factors
+        if scaling != "none" or factors:
+            what = f"rope scaling {scaling!r}" if scaling != "none" else f"per-dimension rope factors ({factors[0]})"
             raise EngineError(f"{self.path} uses {what}, which cannot be recovered from GGUF metadata; convert the "
                               "original Hugging Face model with --model-dir instead")
+
+    def _refuse_unread_metadata(self) -> None:
+        """A key the file states that transformers' GGUF config does not read must equal the config's value (its
+        class default): otherwise neither a match with transformers nor a correct model exists."""
+        hf = {**self._config, "head_dim": self._config["hidden_size"] // self._config["num_attention_heads"]}
+        for key, config_key in UNREAD.get(self.architecture, {}).items():
+            value, config = self._metadata.get(f"{self.architecture}.{key}"), hf.get(config_key)
+            if value is not None and (config is None or not np.isclose(float(value), float(config))):
+                raise EngineError(f"{self.path} states {self.architecture}.{key} = {value}, but transformers' GGUF "
+                                  f"config has {config_key} = {config} (it reads no GGUF key for it), so the model "
+                                  "cannot be recovered from this file; convert the original Hugging Face model with "
+                                  "--model-dir instead")
 
     def _load_config(self) -> tuple[dict, dict, dict, type]:
         """(HF config dict, generation config dict, the raw parsed config, the config class) as transformers makes
@@ -177,10 +160,8 @@ class GGUFSource:
         raw = np.fromfile(self.path, dtype=np.uint8, count=tensor.nbytes, offset=tensor.start)
         raw = raw.reshape(*tensor.shape[:-1], -1)
         kind = _kind_name(tensor.ggml_type)
-        if self.keep_quantized and keeps(kind, tensor.shape):
-            # the processor's q/k un-permutation moves whole rows: found on the row numbers, applied to the blocks
-            order = self._processor.process(weights=np.arange(tensor.shape[0], dtype=np.float64)[:, None],
-                                            name=tensor.name).weights[:, 0].astype(np.int64)
+        order = self._row_order(tensor) if self.keep_quantized and keeps(kind, tensor.shape) else None
+        if order is not None:
             return GGUFTensor(kind, raw, tensor.shape[1]).rows(order)
         if self.keep_quantized and kind not in FLOAT_KINDS:
             self.dequantized[tensor.name] = kind
@@ -190,10 +171,18 @@ class GGUFSource:
         except (NotImplementedError, ValueError) as e:
             raise EngineError(f"cannot dequantize {tensor.name} (ggml type {tensor.ggml_type}) of {self.path}: {e}; "
                               "re-quantize the model with a type gguf can read (F32, F16, Q8_0, Q4_K, ...)") from None
-        # transformers' processor for this architecture: for llama it undoes the q/k row permutation that
-        # llama.cpp applies for its rotary layout; for the rest it passes through.
+        # transformers' processor: llama's q/k rows back from llama.cpp's rotary order, Gemma's norms less 1
         values = self._processor.process(weights=values, name=tensor.name).weights
         return torch.from_numpy(np.array(values, dtype=np.float32))
+
+    def _row_order(self, tensor: "_Tensor") -> np.ndarray | None:
+        """The rows the processor's transform moves a tensor's rows to (llama's q/k un-permutation), found on the
+        row numbers so it applies to blocks; None when it changes values (Gemma's norm - 1), not only their order:
+        such a tensor is dequantized instead of kept wrong."""
+        rows = np.arange(tensor.shape[0])
+        moved = np.asarray(self._processor.process(weights=rows[:, None].astype(np.float64), name=tensor.name).weights)
+        ok = moved.shape == (len(rows), 1) and np.array_equal(np.sort(moved[:, 0]), rows)   # a permutation of rows
+        return moved[:, 0].astype(np.int64) if ok else None
 
     # ---- TensorSource ----------------------------------------------------------------------------------------
 
@@ -225,39 +214,6 @@ class GGUFSource:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def gguf_config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
-    """transformers' load_gguf_checkpoint(path, return_tensors=False)["config"] for a GGUF_ARCHITECTURES file, from
-    its metadata (as read_gguf_metadata returns it) and tensor names.
-
-    The same steps with the same tables: tied embeddings when there is no output.weight, the architecture's defaults,
-    then every key the config table names, renamed (a one-element array counts as its element), and the vocabulary
-    size from the token list when no key states it. llama written for a model named exactly "mistral" is mistral,
-    as there. The other branches of load_gguf_checkpoint (t5, stablelm, gemma, lfm2, gpt-oss, ...) are for
-    architectures this source refuses.
-    """
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-
-    architecture = metadata["general.architecture"]
-    updated = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
-    config: dict = {"tie_word_embeddings": "output.weight" not in tensor_names}
-    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
-    for key, value in defaults.items():
-        config.setdefault(key, value)
-    for key, value in metadata.items():
-        prefix, _, config_key = key.replace(architecture, updated).partition(".")
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        if isinstance(value, str):
-            value = value.replace(architecture, updated)
-        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
-        if renamed is not None and renamed != -1:
-            config[renamed] = value
-    if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
-        tokens = metadata["tokenizer.ggml.tokens"]  # the reader gives a string array's length unless asked for it
-        config["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
-    return config
 
 
 def _write_tokenizer(gguf_path: Path, tmp: Path, config_class: type, generation: dict) -> Path:

