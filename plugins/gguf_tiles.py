@@ -14,8 +14,9 @@ comment, plugins/kernels/quant_matmul.cc, draws the bytes):
     Q6_K             6    256        0       2  float16 d[16], 32 zero bytes; int8 sc[16][16] (a scale per 16)
 
 A sub-block of 32 K values holds their low 4 bits as the 4-bit tiles do, then 5 and 6 bits add one or two 64-byte
-planes of the high bits (kernels/quant_tiles.h weight_at); 8 bits are bytes. The activations are rounded to int8
-per block of 32 (per block for the legacy kinds), as llama.cpp rounds them to Q8 blocks.
+planes of the high bits (kernels/quant_tiles.h weight_at; quant_matmul.sub_block_bytes lays out every width); 8 bits
+are bytes. The activations are rounded to int8 per block of 32 (per block for the legacy kinds), as llama.cpp rounds
+them to Q8 blocks.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from engine.quantization.gguf_blocks import Decoded, decode, dequantize
 from engine.quantization.gguf_tensor import GGUFTensor
 
 from .linear import _add_bias, bias_name_for
-from .quant_matmul import HEADER, LANES, SUB
+from .quant_matmul import HEADER, LANES, SUB, per_column, sub_block_bytes
 
 SUB_SCALE_BYTES = 256  # the K-quant header's sub-block scales (and mins) of a tile and block
 
@@ -61,56 +62,21 @@ FORMATS = {
 }
 
 
-def format_of(kind: str) -> Format:
-    return FORMATS[kind]
-
-
 def stored_bytes(kind: str, out_features: int, in_features: int) -> int:
     """Bytes of one packed weight: whole tiles of 16 columns."""
     f = FORMATS[kind]
     return -(-out_features // LANES) * (in_features // f.group_size) * f.block_bytes()
 
 
-def _padded(rows: np.ndarray, tiles: int) -> np.ndarray:
-    """[N, ...] -> [16 * tiles, ...]: zero rows (columns of the weight) fill the last tile."""
-    out = np.zeros((tiles * LANES, *rows.shape[1:]), dtype=rows.dtype)
-    out[: rows.shape[0]] = rows
-    return out
-
-
-def _per_column(values: np.ndarray, tiles: int, groups: int) -> np.ndarray:
-    """[N, groups * m] per-(column, block, item) values -> [tiles, groups, m * 16]: a block's items, 16 columns each."""
-    v = _padded(values, tiles)
-    return np.ascontiguousarray(v.reshape(tiles, LANES, groups, -1).transpose(0, 2, 3, 1)).reshape(tiles, groups, -1)
-
-
-def _values(q: np.ndarray, bits: int, tiles: int, groups: int, group: int) -> np.ndarray:
-    """The sub-blocks' bytes [tiles, groups, group / 32 * sub_bytes] of the unsigned values q [N, K]."""
-    subs = group // SUB
-    # [tile, column j, block, sub-block, register i, e] -> [tile, block, sub, i, j, e]: k = 32 sub + 4 i + e
-    v = _padded(q, tiles).reshape(tiles, LANES, groups, subs, 8, 4).transpose(0, 2, 3, 4, 1, 5)
-    if bits == 8:
-        return np.ascontiguousarray(v).reshape(tiles, groups, -1)
-    low = v & 0x0F
-    parts = [low[:, :, :, :4] | (low[:, :, :, 4:] << 4)]  # register l < 4: k = 4 l + e low, 16 + 4 l + e high
-    high = (v >> 4).astype(np.uint8)
-    if bits == 5:   # one plane: bit i of byte (j, e) is bit 4 of register i's value
-        parts.append(sum((high[:, :, :, i] & 1) << i for i in range(8))[:, :, :, None].astype(np.uint8))
-    elif bits == 6:   # plane P: bits 2 (i % 4), +1 of byte (j, e) are bits 4, 5 of register i = 4 P + i % 4
-        parts += [sum((high[:, :, :, 4 * p + i] & 3) << (2 * i) for i in range(4))[:, :, :, None].astype(np.uint8)
-                  for p in range(2)]
-    return np.concatenate([p.reshape(tiles, groups, subs, -1) for p in parts], axis=-1).reshape(tiles, groups, -1)
-
-
 def _header(dec: Decoded, f: Format, tiles: int, groups: int) -> np.ndarray:
     """The blocks' headers [tiles, groups, 64 (+ 256)] as uint8."""
     d = dec.d.astype(np.float16)
     if not f.offsets and not f.scales:   # Q4_0, Q8_0: float32 d
-        return _per_column(d.astype(np.float32), tiles, groups).view(np.uint8)
+        return per_column(d.astype(np.float32), tiles, groups).view(np.uint8)
     if f.scales == 2:   # Q6_K: d, 32 spare bytes, int8 scales of the halves
         spare = np.zeros((tiles, groups, 32), dtype=np.uint8)
-        sc = _per_column(dec.sc.astype(np.int8), tiles, groups).view(np.uint8)
-        return np.concatenate([_per_column(d, tiles, groups).view(np.uint8), spare, sc], axis=-1)
+        sc = per_column(dec.sc.astype(np.int8), tiles, groups).view(np.uint8)
+        return np.concatenate([per_column(d, tiles, groups).view(np.uint8), spare, sc], axis=-1)
     if dec.kind in ("Q5_0",):
         m = (-16 * d.astype(np.float32)).astype(np.float16)
         if not np.array_equal(m.astype(np.float32), -16 * d.astype(np.float32)):
@@ -118,9 +84,9 @@ def _header(dec: Decoded, f: Format, tiles: int, groups: int) -> np.ndarray:
                               "model with --dtype float32")
     else:
         m = dec.dmin.astype(np.float16)
-    header = [_per_column(d, tiles, groups).view(np.uint8), _per_column(m, tiles, groups).view(np.uint8)]
+    header = [per_column(d, tiles, groups).view(np.uint8), per_column(m, tiles, groups).view(np.uint8)]
     if f.scales == 1:   # Q4_K, Q5_K: the sub-blocks' 6-bit scales then mins
-        header += [_per_column(dec.sc.astype(np.uint8), tiles, groups), _per_column(dec.mn.astype(np.uint8), tiles,
+        header += [per_column(dec.sc.astype(np.uint8), tiles, groups), per_column(dec.mn.astype(np.uint8), tiles,
                                                                                       groups)]
     return np.concatenate(header, axis=-1)
 
@@ -130,8 +96,8 @@ def pack(dec: Decoded) -> tuple[np.ndarray, Format]:
     f = FORMATS[dec.kind]
     n, k = dec.shape
     tiles, groups = -(-n // LANES), k // f.group_size
-    blocks = np.concatenate([_header(dec, f, tiles, groups), _values(dec.q, f.bits, tiles, groups, f.group_size)],
-                            axis=-1)
+    values = sub_block_bytes(dec.q, f.bits, tiles, groups, f.group_size)
+    blocks = np.concatenate([_header(dec, f, tiles, groups), values], axis=-1)
     assert blocks.shape == (tiles, groups, f.block_bytes()), blocks.shape
     return blocks, f
 

@@ -74,7 +74,7 @@ def pack_float(weight: np.ndarray) -> np.ndarray:
     of 16 values, one block of group_size K (kernels/quant_matmul.cc); zero columns fill the last tile."""
     n, k = weight.shape
     tiles = -(-n // LANES)
-    values = _padded(np.asarray(weight, dtype=np.float32), tiles).reshape(tiles, LANES, k).transpose(0, 2, 1)
+    values = padded(np.asarray(weight, dtype=np.float32), tiles).reshape(tiles, LANES, k).transpose(0, 2, 1)
     return np.ascontiguousarray(values).view(np.uint8).reshape(tiles, 1, k * LANES * 4)
 
 
@@ -123,18 +123,14 @@ def _half_offsets(q: QuantizedWeight) -> np.ndarray:
 def pack(q: QuantizedWeight) -> np.ndarray:
     """The blocks uint8 [N/16, K/G, 64 + G * 16 * bits / 8] of `q` (module docstring)."""
     n, k = q.shape
-    tiles, groups, subs = -(-n // LANES), k // q.group_size, q.group_size // SUB
-    values = _padded(unpack(q), tiles)
-    # [tile, column j, block, sub-block, register i, e], k = G block + 32 sub + 4 i + e -> [tile, block, sub, i, j, e]
-    v = values.reshape(tiles, LANES, groups, subs, 8, 4).transpose(0, 2, 3, 4, 1, 5)
-    if q.bits == 4:  # register l (< 4) holds k = 4 l + e in its low nibbles and 16 + 4 l + e in its high ones
-        v = v[:, :, :, :4] | (v[:, :, :, 4:] << 4)
+    tiles, groups = -(-n // LANES), k // q.group_size
     if q.offsets is None:
-        header = _tiles(q.scales.astype(np.float32), tiles)
+        header = per_column(q.scales.astype(np.float32), tiles, groups)
     else:
-        header = np.concatenate([_tiles(q.scales.astype(np.float16), tiles),
-                                 _tiles(_half_offsets(q), tiles)], axis=-1)
-    return np.concatenate([header.view(np.uint8), v.reshape(tiles, groups, -1)], axis=-1)
+        header = np.concatenate([per_column(q.scales.astype(np.float16), tiles, groups),
+                                 per_column(_half_offsets(q), tiles, groups)], axis=-1)
+    return np.concatenate([header.view(np.uint8), sub_block_bytes(unpack(q), q.bits, tiles, groups, q.group_size)],
+                          axis=-1)
 
 
 def unpack_blocks(blocks: np.ndarray, n: int, bits: int, group_size: int,
@@ -156,16 +152,38 @@ def unpack_blocks(blocks: np.ndarray, n: int, bits: int, group_size: int,
     return values, columns(half[..., :LANES]), columns(half[..., LANES:])
 
 
-def _padded(rows: np.ndarray, tiles: int) -> np.ndarray:
-    """[N, X] -> [16 * tiles, X]: zero rows (columns of the weight) fill the last tile."""
-    padded = np.zeros((tiles * LANES, rows.shape[1]), dtype=rows.dtype)
-    padded[: rows.shape[0]] = rows
-    return padded
+def padded(rows: np.ndarray, tiles: int) -> np.ndarray:
+    """[N, ...] -> [16 * tiles, ...]: zero rows (columns of the weight) fill the last tile."""
+    out = np.zeros((tiles * LANES, *rows.shape[1:]), dtype=rows.dtype)
+    out[: rows.shape[0]] = rows
+    return out
 
 
-def _tiles(per_block: np.ndarray, tiles: int) -> np.ndarray:
-    """[N, K/G] -> [N/16, K/G, 16], zero columns padding the last tile."""
-    return np.ascontiguousarray(_padded(per_block, tiles).reshape(tiles, LANES, -1).transpose(0, 2, 1))
+def per_column(values: np.ndarray, tiles: int, groups: int) -> np.ndarray:
+    """[N, groups * m] per-(column, block, item) values -> [tiles, groups, m * 16]: a block's items, 16 columns each
+    (a header's scales: m = 1), zero columns padding the last tile."""
+    v = padded(values, tiles)
+    return np.ascontiguousarray(v.reshape(tiles, LANES, groups, -1).transpose(0, 2, 3, 1)).reshape(tiles, groups, -1)
+
+
+def sub_block_bytes(q: np.ndarray, bits: int, tiles: int, groups: int, group: int) -> np.ndarray:
+    """The sub-blocks' bytes [tiles, groups, group / 32 * sub_bytes] of unsigned values q [N, K] of 4, 5, 6 or 8 bits
+    (the kernel's header comment; 5 and 6 bits: the low 4 as 4-bit values, then one or two planes of the high bits,
+    plugins/gguf_tiles.py)."""
+    subs = group // SUB
+    # [tile, column j, block, sub-block, register i, e], k = G block + 32 sub + 4 i + e -> [tile, block, sub, i, j, e]
+    v = padded(q, tiles).reshape(tiles, LANES, groups, subs, 8, 4).transpose(0, 2, 3, 4, 1, 5)
+    if bits == 8:
+        return np.ascontiguousarray(v).reshape(tiles, groups, -1)
+    low = v & 0x0F
+    parts = [low[:, :, :, :4] | (low[:, :, :, 4:] << 4)]  # register l < 4: k = 4 l + e low, 16 + 4 l + e high
+    high = (v >> 4).astype(np.uint8)
+    if bits == 5:   # one plane: bit i of byte (j, e) is bit 4 of register i's value
+        parts.append(sum((high[:, :, :, i] & 1) << i for i in range(8))[:, :, :, None].astype(np.uint8))
+    elif bits == 6:   # plane P: bits 2 (i % 4), +1 of byte (j, e) are bits 4, 5 of register i = 4 P + i % 4
+        parts += [sum((high[:, :, :, 4 * p + i] & 3) << (2 * i) for i in range(4))[:, :, :, None].astype(np.uint8)
+                  for p in range(2)]
+    return np.concatenate([p.reshape(tiles, groups, subs, -1) for p in parts], axis=-1).reshape(tiles, groups, -1)
 
 
 def reference(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:

@@ -369,13 +369,10 @@ void gather_row(void* opaque, size_t t) {
     for (int64_t k = 0; k < j.hidden; ++k) out[k] = w[k * kLanes + c];
     return;
   }
-  if (!plain_blocks(j.bits, j.scales)) {  // the GGUF formats: scale * q + minimum, llama.cpp's rounding (exact)
+  if (!plain_blocks(j.bits, j.scales)) {  // the GGUF formats: exactly gguf's values
     for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)
-      for (int64_t kk = 0; kk < j.group; ++kk) {
-        const ValueScale v = value_scale(p, j.bits, j.offsets, j.scales, c, kk);
-        const int32_t q = weight_at(sub_block(p, j.bits, j.scales, kk / kSub), j.bits, c, kk % kSub);
-        out[b * j.group + kk] = v.scale * static_cast<float>(q) + v.minimum;
-      }
+      for (int64_t kk = 0; kk < j.group; ++kk)
+        out[b * j.group + kk] = dequantized(p, j.bits, j.offsets, j.scales, c, kk);
     return;
   }
   for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes)

@@ -722,6 +722,14 @@ inline const uint8_t* sub_block(const uint8_t* block, int64_t bits, int64_t scal
   return block + kHeader + (scales ? kSubScaleBytes : 0) + s * sub_bytes(bits);
 }
 
+// Column c's weight at K value kk of a block, scale * q + minimum in one rounding: for GGUF's kinds exactly what
+// gguf dequantizes (scale * q is exact), for RTN weights within a rounding of (q - zero_point) * d.
+inline float dequantized(const uint8_t* block, int64_t bits, bool offsets, int64_t scales, int64_t c, int64_t kk) {
+  const ValueScale v = value_scale(block, bits, offsets, scales, c, kk);
+  const int32_t q = weight_at(sub_block(block, bits, scales, kk / kSub), bits, c, kk % kSub);
+  return std::fma(static_cast<float>(q), v.scale, v.minimum);
+}
+
 // Rows t0 .. t1 - 1 of a tile whose weights the vector tiles do not take here, in plain loops: every half block of
 // 16 values adds scale * da * (q . qa) + minimum * da * sum(qa), the formula of every format.
 inline void plain_any_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
@@ -774,44 +782,38 @@ inline void sub_scales(const uint8_t* block, const QuantJob& j, int64_t s, __m51
 }
 #endif
 
-// Tile tl's K x 16 weights as float32 in float_tiles.h's layout (out[k * 16 + c]), each value scale * q + minimum
-// with one rounding: for GGUF's kinds the value gguf dequantizes (gguf_tiles.py), for RTN weights within a rounding
-// of (q - zero_point) * d. The vector code takes the blocks a sub-block at a time: register i's 32-bit lane c holds
+// Tile tl's K x 16 weights as float32 in float_tiles.h's layout (out[k * 16 + c]), each value `dequantized`'s. The
+// vector code takes the blocks a sub-block at a time: register i's 32-bit lane c holds
 // column c's values k = 4 i .. 4 i + 3, byte e each.
 inline void dequantize_tile(const QuantJob& j, int64_t tl, float* out) {
   const uint8_t* p = j.w + tl * j.groups * j.block_bytes;
   for (int64_t b = 0; b < j.groups; ++b, p += j.block_bytes) {
 #ifdef ENGINE_KERNELS_VNNI
-    {
-      for (int64_t s = 0; s < j.group / kSub; ++s) {
-        __m512i w[8];
-        const uint8_t* sub = sub_block(p, j.bits, j.scales, s);
-        switch (j.bits) {
-          case 4: load_sub<4>(sub, w); break;
-          case 5: load_sub<5>(sub, w); break;
-          case 6: load_sub<6>(sub, w); break;
-          default: load_sub<8>(sub, w); break;
+    for (int64_t s = 0; s < j.group / kSub; ++s) {
+      __m512i w[8];
+      const uint8_t* sub = sub_block(p, j.bits, j.scales, s);
+      switch (j.bits) {
+        case 4: load_sub<4>(sub, w); break;
+        case 5: load_sub<5>(sub, w); break;
+        case 6: load_sub<6>(sub, w); break;
+        default: load_sub<8>(sub, w); break;
+      }
+      __m512 scale[2], minimum[2];
+      sub_scales(p, j, s, scale, minimum);
+      float* rows = out + (b * j.group + s * kSub) * kLanes;
+      for (int i = 0; i < 8; ++i)
+        for (int e = 0; e < 4; ++e) {
+          const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(w[i], _mm512_set1_epi32(8 * e)),
+                                             _mm512_set1_epi32(0xFF));
+          _mm512_storeu_ps(rows + (4 * i + e) * kLanes,
+                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale[i / 4], minimum[i / 4]));
         }
-        __m512 scale[2], minimum[2];
-        sub_scales(p, j, s, scale, minimum);
-        float* rows = out + (b * j.group + s * kSub) * kLanes;
-        for (int i = 0; i < 8; ++i)
-          for (int e = 0; e < 4; ++e) {
-            const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(w[i], _mm512_set1_epi32(8 * e)),
-                                               _mm512_set1_epi32(0xFF));
-            _mm512_storeu_ps(rows + (4 * i + e) * kLanes,
-                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale[i / 4], minimum[i / 4]));
-          }
-      }
-      continue;
     }
-#endif
+#else
     for (int64_t kk = 0; kk < j.group; ++kk)
-      for (int64_t c = 0; c < kLanes; ++c) {
-        const ValueScale v = value_scale(p, j.bits, j.offsets, j.scales, c, kk);
-        const int32_t q = weight_at(sub_block(p, j.bits, j.scales, kk / kSub), j.bits, c, kk % kSub);
-        out[(b * j.group + kk) * kLanes + c] = std::fma(static_cast<float>(q), v.scale, v.minimum);
-      }
+      for (int64_t c = 0; c < kLanes; ++c)
+        out[(b * j.group + kk) * kLanes + c] = dequantized(p, j.bits, j.offsets, j.scales, c, kk);
+#endif
   }
 }
 
@@ -852,17 +854,10 @@ void tile(const QuantJob& j, int64_t tile, int64_t t0, int64_t t1, int64_t cols,
 // Rows t0 .. t1 - 1 of quantized tile tl (cols <= 16 of its columns) into o (float_tiles.h's tile() picks): K-quant
 // scales on ktile, the rest by kind. CPUs with neither AVX-512 VNNI nor AVX2 run every format in plain loops.
 inline void int_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
-#ifdef ENGINE_KERNELS_VNNI
-  if (j.scales == kScalesMin) {
+  if (j.scales == kScalesMin) {   // ktile: AVX-512 VNNI's or AVX2's, whichever the library is compiled for
     return j.bits == 4 ? ktile<4, kScalesMin>(j, tl, t0, t1, cols, o) : ktile<5, kScalesMin>(j, tl, t0, t1, cols, o);
   }
   if (j.scales == kScales16) return ktile<6, kScales16>(j, tl, t0, t1, cols, o);
-#else   // AVX2: the same split, in its own tiles
-  if (j.scales == kScalesMin) {
-    return j.bits == 4 ? ktile<4, kScalesMin>(j, tl, t0, t1, cols, o) : ktile<5, kScalesMin>(j, tl, t0, t1, cols, o);
-  }
-  if (j.scales == kScales16) return ktile<6, kScales16>(j, tl, t0, t1, cols, o);
-#endif
   by_kind(j, [&](auto bits, auto offsets) { tile<bits, offsets>(j, tl, t0, t1, cols, o); });
 }
 #else
