@@ -1,7 +1,7 @@
 """What cutting long chunks into attention rows buys (runtime/step_inputs.py): one mixed step, rows vs one row per
 sequence (every decode padded to the chunk's length), on a real engine.
 
-    .venv/bin/python bench/attention_rows.py [--engine-dir .cache/engines/smollm2] [--context 900] [--chunk 128]
+    .venv/bin/python -m bench.attention_rows [--engine-dir .cache/engines/smollm2] [--context 900] [--chunk 128]
 
 The step: `--decodes` sequences decoding at `--context` tokens of context, beside one prefill chunk of `--chunk`
 tokens that starts at position `--chunk-start`. Time is the CPU time of this process with one ORT thread (on a

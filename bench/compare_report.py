@@ -202,7 +202,11 @@ def serve_section(result: dict) -> list[str]:
            "round each first (bench/serve_vs_genai.py). The server's memory is read after the last round "
            "(bench/serve_memory.py: KV pool and touched from its /metrics). `serve-int4` runs the server's defaults "
            "(an SSE chunk per token); a `serve-int4-intervalN` step runs it with `--stream-interval N`, where ITL is "
-           "the gap between chunks of N tokens.", ""]
+           "the gap between chunks of N tokens.", "",
+           "![Serving throughput and TTFT against concurrency](benchmarks-serve.png)", "",
+           "The chart holds the other serving results in bench/results, those of bench/serve_clients.py "
+           "(serve_NAME.json) and bench/serve_vs_genai.py, each point labelled with its file (the rounds below are "
+           "the tables'); `python -m bench.charts` redraws both charts from the results.", ""]
     for rec in recs:
         out += [f"### {rec['name']}", ""]
         if rec.get("status") != "ok":
@@ -296,7 +300,7 @@ def markdown(result: dict) -> str:
            f"{s['threads']} threads, batch 1, greedy, prompt {s['prompt_len']} tokens, {s['new_tokens']} new tokens, "
            f"median of {s['repeats']} runs after a warm-up.", "",
            f"Run {result['started']} → {result['finished']} ({result['wall_s']:.0f} s) with `{result['command']}`; "
-           f"rerun with `.venv/bin/python bench/compare.py` on a quiet machine. Raw records: "
+           f"rerun with `.venv/bin/python -m bench.compare` on a quiet machine. Raw records: "
            f"`bench/results/compare.json`.", ""]
     if loads:
         out.append(f"1-minute load average during the run: {min(loads):.2f} to {max(loads):.2f} (the benchmark itself "
@@ -313,6 +317,7 @@ def markdown(result: dict) -> str:
             "T(N+1 tokens) − T(1 token)). `engine-*` drive the engine session directly (one `run()` per step, greedy "
             "argmax, as the scheduler calls it); `engine-api-*` go through `LLM.generate` (scheduler, sampler, "
             "detokenizer). \"CPU threads used\" = process CPU time / wall time over the timed runs.", "",
+            "![Prefill and decode tok/s of every system](benchmarks-compare.png)", "",
             throughput_table(result), "", ratio_tables(result), ""]
     out += serve_section(result)
     cold = [r for r in result["records"] if r["name"].startswith("coldstart-")]
@@ -361,15 +366,19 @@ def markdown(result: dict) -> str:
     out += [f"| {k} | {v or 'not installed'} |" for k, v in result["versions"].items()]
     out += ["", "## Method", "",
             "`bench/compare.py` (orchestration, load average, this report), `bench/compare_measure.py` (each "
-            "measurement in a fresh process), `bench/compare_models.py` (GGUF and HF dir from `tests/real_model.py`'s "
-            "cache; engines built with `engine build`, onnxruntime-genai models with its model builder `-e cpu`, "
-            "cached in `.cache/bench`). The methodology is that of the anchor measurements "
-            "(/work/shared/anchors: `bench_hf.py`, `bench_ortgenai.py`, `bench_llamacpp.py`, `bench_bandwidth.py`) and "
-            "the token ids are theirs (`bench/prompt_ids.json`). llama.cpp runs only when llama-cpp-python is "
-            "installed; on Sapphire Rapids build it with AMX compiled out (README.md; or set `LLAMA_CPP_LIB_PATH` to "
-            "such a build: its AMX path segfaults, llama.cpp issue 20824). Its rows: the shipped Q4_1 GGUF (whose tied "
-            "embedding, the lm_head, is Q8_0 in the file) and a Q8_0 made of it by llama.cpp's own quantizer (the "
-            "same weights on an 8-bit grid). The anchor table in /work/shared/anchors/README.md was measured on a "
-            "Sapphire Rapids VM (AVX-512, AMX): where this machine's CPU differs, compare the ratios within one run, "
-            "not figures across machines.", ""]
+            "measurement in a fresh process), `bench/compare_models.py` (the GGUF from `engine download`'s cache, the "
+            "HF dir transformers makes of it (bench/real_models.py); engines built with `engine build`, "
+            "onnxruntime-genai models with its model builder `-e cpu`, cached in `.cache/bench`). The methodology is "
+            "that of the anchor measurements (bench/anchors: `bench_hf.py`, `bench_ortgenai.py`, `bench_llamacpp.py`, "
+            "`bench_bandwidth.py`) and the token ids are theirs (`bench/prompt_ids.json`). llama.cpp runs only when "
+            "llama-cpp-python is installed; on Sapphire Rapids build it with AMX compiled out (docs/benchmarks.md; or set "
+            "`LLAMA_CPP_LIB_PATH` to such a build: its AMX path segfaults, llama.cpp issue 20824). Its rows: the "
+            "shipped Q4_1 GGUF (whose tied embedding, the lm_head, is Q8_0 in the file) and a Q8_0 made of it by "
+            "llama.cpp's own quantizer (the same weights on an 8-bit grid). The anchor table in "
+            "bench/anchors/README.md was measured on a Sapphire Rapids VM (AVX-512, AMX): where this machine's CPU "
+            "differs, compare the ratios within one run, "
+            "not figures across machines. The real-size models run with `python -m bench.compare --model "
+            "qwen2.5-coder-0.5b` (or `qwen2.5-coder-1.5b`): the engine's gguf and int4 builds, llama.cpp on the same "
+            "GGUF and onnxruntime-genai int4 taking turns, with the engine's bandwidth floor "
+            "(bench/compare_gguf.py); they write `bench/results/compare_<model>.json` and print their tables.", ""]
     return "\n".join(out)

@@ -1,6 +1,6 @@
 """A/B of kernel libraries on one engine, in one process: the steps a change to plugins/kernels/ should move.
 
-    .venv/bin/python bench/kernel_ab.py --engine-dir .cache/bench/engines/int4 --libs LIB_A,LIB_B[,...] [--turns 8]
+    .venv/bin/python -m bench.kernel_ab --engine-dir .cache/bench/engines/int4 --libs LIB_A,LIB_B[,...] [--turns 8]
 
 A variant library is the sources as edited, compiled into a cache of its own, then the sources put back:
 

@@ -1,7 +1,7 @@
 """SmolLM2-135M's 210 layer projections (30 layers x q, k, v, o, gate, up, down) chained in one ONNX Runtime graph,
 timed for each way the engine can run them, at several numbers of rows (tokens in a step).
 
-    .venv/bin/python bench/quant_matmul.py [--rows 1 16 32 128 512] [--threads 2] [--rounds 5] [--engine-dir DIR]
+    .venv/bin/python -m bench.quant_matmul [--rows 1 16 32 128 512] [--threads 2] [--rounds 5] [--engine-dir DIR]
 
 Variants, interleaved round by round in one process (this VM's speed wanders between minutes):
   q4_1 / int8 QuantMatMul           the kernel library as built for this CPU (on AMX: calls of >= 64 rows in
@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph
+from engine.plugins.graph import ENGINE_DOMAIN, Graph
 from engine.plugins import native, quant_matmul
 from engine.plugins.linear import quantized_linear
 from engine.plugins.rms_norm import rms_norm

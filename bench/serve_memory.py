@@ -1,4 +1,4 @@
-"""Serving-memory goal: the `engine serve` process's RSS <= engine weights + KV pool + 300 MB (bench/serve.py).
+"""Serving-memory goal: the `engine serve` process's RSS <= engine weights + KV pool + 300 MB (bench/serve_clients.py).
 
     server_memory(pid, url, engine_dir) -> {"rss_MB", "peak_rss_MB", "weights_MB", "kv_pool_MB",
                                             "kv_touched_MB", "overhead_MB", "budget_MB", "pass", "smaps"}

@@ -1,6 +1,6 @@
 """ONNX Runtime session options at load: what each costs at load, in memory and per step (cold start and RSS goals).
 
-    .venv/bin/python bench/session_options.py [--engine-dir DIR ...] [--rounds 3] [--variant NAME ...]
+    .venv/bin/python -m bench.session_options [--engine-dir DIR ...] [--rounds 3] [--variant NAME ...]
 
 Each (engine, variant) runs in a fresh process: EngineSession with the variant's session config entries (added to
 the options EngineSession builds, through its load_ort_session), then one 128-token prefill and 32 decode steps

@@ -1,6 +1,7 @@
-"""Cold-start goal: process start to first generated token <= 1 s (SmolLM2-135M-Instruct engines, 2 threads).
+"""Cold-start goal: process start to first generated token <= 1 s (SmolLM2-135M-Instruct engines, 2 threads; the
+real-size models' with --model).
 
-    .venv/bin/python bench/startup.py [--engine-dir DIR ...] [--repeats 5] [--profile]
+    .venv/bin/python -m bench.startup [--model qwen2.5-coder-0.5b] [--engine-dir DIR ...] [--repeats 5] [--profile]
 
 Two ways in, each a fresh process per run, the file cache warm (one untimed run first):
     api      `from engine.runtime import LLM`; LLM(dir); stream one token of the prompt. The child stamps the
@@ -10,7 +11,9 @@ Two ways in, each a fresh process per run, the file cache warm (one untimed run 
              and to exit.
 Best (minimum) of --repeats and the CPU seconds of the child (user + sys), which load inflates less than wall time.
 --profile also writes a cProfile of one api run per engine to bench/results/startup_<name>.prof.
-Writes bench/results/startup.json. Default engines: .cache/bench/engines/{fp32,int8,int4} (bench/compare.py).
+Writes bench/results/startup.json (startup_<model>.json with a --model other than smollm2). Default engines, made by
+bench/compare.py: SmolLM2's .cache/bench/engines/{fp32,int8,int4}, a GGUF model's .cache/bench/<model>/engines/
+{gguf,int4} (`python -m bench.compare --model <model> --only 'make-engine-*'` makes them).
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PROMPT = "What is the capital of France?"
+# --model -> the engines timed by default (bench/compare_models.py's variants)
+ENGINE_VARIANTS = {"smollm2": ("fp32", "int8", "int4"), "qwen2.5-coder-0.5b": ("gguf", "int4"),
+                   "qwen2.5-coder-1.5b": ("gguf", "int4")}
 GOAL_S = 1.0
 
 
@@ -95,6 +101,8 @@ def best(runs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", choices=list(ENGINE_VARIANTS),
+                    help="whose engines in bench/compare.py's cache to time when no --engine-dir is given")
     ap.add_argument("--engine-dir", type=Path, action="append")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -105,10 +113,11 @@ def main() -> None:
     if a.child:
         child(a.child, a.threads, a.profile_to)
         return
-    engines = a.engine_dir or [d for d in (ROOT / ".cache" / "bench" / "engines" / n for n in ("fp32", "int8", "int4"))
-                               if d.is_dir()]
+    models = ROOT / ".cache" / "bench" / ("" if a.model == "smollm2" else a.model)
+    engines = a.engine_dir or [d for d in (models / "engines" / n for n in ENGINE_VARIANTS[a.model]) if d.is_dir()]
     if not engines:
-        raise SystemExit("no engines: pass --engine-dir, or build them with bench/compare.py")
+        only = "" if a.model == "smollm2" else f" --model {a.model} --only 'make-engine-*'"
+        raise SystemExit(f"no engines: pass --engine-dir, or build them with python -m bench.compare{only}")
     load_before = os.getloadavg()[0]
     records = []
     for engine in engines:
@@ -128,8 +137,9 @@ def main() -> None:
               "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "engines": records,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'startup.json'}")
+    out = RESULTS / ("startup.json" if a.model == "smollm2" else f"startup_{a.model}.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""What the inference-state checkpoints cost (runtime/resume.py) and what resuming after a restart costs, on a
+"""What the inference-state checkpoints cost (runtime/server/resume.py) and what resuming after a restart costs, on a
 real engine.
 
-    .venv/bin/python bench/state_checkpoint.py [--engine-dir .cache/engines/smollm2] [--requests 16]
+    .venv/bin/python -m bench.state_checkpoint [--engine-dir .cache/engines/smollm2] [--requests 16]
         [--prompt-tokens 128] [--before 32] [--max-tokens 64]
 
 `--requests` greedy requests run together; once each has generated `--before` tokens the engine is snapshotted
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from engine.runtime import LLM, SamplingParams
-from engine.runtime.state_checkpoint import ChoiceState, ResponseState, read_state, state_path, write_state
+from engine.runtime.server.state_file import ChoiceState, ResponseState, read_state, state_path, write_state
 
 ROOT = Path(__file__).resolve().parent
 

@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes, from a timeline the kernels record (plugins/kernels/step_trace.h).
 
-    .venv/bin/python bench/step_trace.py --engine-dir .cache/bench/engines/fp32 [--steps 128] [--threads 2]
+    .venv/bin/python -m bench.step_trace --engine-dir .cache/bench/engines/fp32 [--steps 128] [--threads 2]
 
 Builds the kernel library with -DENGINE_KERNELS_TRACE (beside the usual one in the kernels' cache), runs the
 benchmark's 512-token prompt and then --steps greedy decode steps on it, as bench/compare.py's engine rows do, and

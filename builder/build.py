@@ -1,7 +1,7 @@
 """`engine build`: a checkpoint directory + BuildConfig -> an engine directory.
 
     check_build_config(model, BuildConfig)            every limit checked once, messages name the values
-    for each rank (in worker processes with --workers > 1):
+    for each rank (rank_job.py; in worker processes with --workers > 1):
         rank tensors (rank_tensors.py: lazy from rank{N}.safetensors, or resharded from a checkpoint of another tp)
         -> model_graph.build_graph -> rank{N}.raw.onnx -> ORT optimizes -> rank{N}.onnx + rank{N}.onnx.data
     tokenizer files, then config.json (EngineConfig) with its manifest: size and sha256 of every other file, the
@@ -11,9 +11,6 @@
         quantization/calibrate.py); then an unquantized reference engine is built in a second temporary sibling, both are
         scored on held-out tokens (quantization/accuracy.py), the report goes into config.json, and
         --max-ppl-increase can fail the build before anything is renamed into place
-
-Peak memory of a rank: its weights once as arrays being placed plus once in the ONNX proto; each array is
-dropped as soon as the graph holds it, and the proto as soon as it is saved.
 """
 from __future__ import annotations
 
@@ -25,8 +22,8 @@ from typing import Callable
 
 from engine.core.artifacts import (CheckpointConfig, atomic_output_dir, copy_tokenizer_files,
                                    load_checkpoint_config, save_config, save_sealed, verify_checkpoint)
-from engine.core.config import DTYPES, Mapping, ModelConfig, QuantConfig
-from engine.core.engine_config import BuildConfig, EngineConfig, PluginConfig, engine_file
+from engine.core.model_config import DTYPES, Mapping, ModelConfig, QuantConfig
+from engine.core.engine_format import BuildConfig, EngineConfig, PluginConfig, engine_file
 from engine.core.errors import EngineError
 from engine.core.parallel import check_tp
 from engine.plugins import native, quant_matmul
@@ -35,7 +32,7 @@ from engine.quantization.accuracy import AccuracyOptions, check_gate
 from engine.quantization.gguf_tensor import dequantized_note
 from engine.quantization import calibrated as calib
 from engine.quantization import kv_cache
-from engine.quantization.calibrate import CalibrationOptions
+from engine.quantization.calibrate import CalibrationOptions, calibrate
 from engine.quantization.weight_only import BITS, block_grid
 from engine.runtime.engine_dir import backend_version, toolchain_version
 from engine.runtime.trt_session import import_tensorrt
@@ -44,12 +41,10 @@ from . import onnxruntime_backend as ortb
 from . import tensorrt_backend as trtb
 from . import tensorrt_collectives as trtc
 from . import tensorrt_quant as trtq
-from .graph import uses_engine_kernels
 from .memory import memory_plan, runs_quant_matmul
-from .model_graph import build_graph
+from .rank_job import RankJob, build_rank
 from .rank_tensors import rank_tensors
 from .reference import ReferenceEngine
-from .segments import save_segments
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 
@@ -209,58 +204,6 @@ def gguf_formats(ckpt_dir: Path, ckpt: CheckpointConfig) -> dict[str, str]:
 
 # ---- build ------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class RankJob:
-    ckpt_dir: Path
-    out_dir: Path
-    rank: int
-    build: BuildConfig
-    plugins: PluginConfig
-    quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
-    trt: trtb.TensorRTOptions = dataclasses.field(default_factory=trtb.TensorRTOptions)
-    calibrated: dict | None = None  # calibrated projections by canonical name (quantization/calibrated.py)
-
-
-def build_rank(job: RankJob) -> int:
-    """Build rank{N}.onnx of `job` into job.out_dir (tp > 1 on onnxruntime: its segment graphs, builder/segments.py);
-    returns the rank (runs in a worker process)."""
-    ckpt = load_checkpoint_config(job.ckpt_dir)
-    tensors = rank_tensors(job.ckpt_dir, ckpt, job.build.tp_size, job.rank)
-    if job.calibrated is not None:
-        # calibrated once on the whole model: this rank takes its slice of the scales with its weights
-        tensors = calib.CalibratedTensors(tensors, calib.shard_calibrated(job.calibrated, ckpt.model, job.quant.mode,
-                                                                          job.build.tp_size, job.rank))
-    graph = build_graph(ckpt.model, tensors, job.build, job.plugins, job.build.tp_size, job.quant, job.rank)
-    del tensors
-    if job.build.tp_size > 1 and job.build.backend == "onnxruntime":
-        save_segments(graph, job.out_dir, job.rank, num_layers=ckpt.model.num_layers, opt_level=job.build.opt_level,
-                      fold_at_load=job.quant.source_grid)
-        return job.rank
-    # Move the initializers into the proto one at a time (protobuf copies on append), so the weights are never
-    # held twice; saving then moves each one's bytes to the external file and clears it.
-    initializers, graph.initializers = graph.initializers, []
-    proto = graph.model()
-    del graph
-    initializers.reverse()
-    while initializers:
-        proto.graph.initializer.append(initializers.pop())
-    if job.build.backend == "tensorrt":
-        # TensorRT parses the graph as built: an ORT-optimized graph holds contrib ops TensorRT does not know.
-        all_reduces = trtc.mark_all_reduces(proto)
-        raw = job.out_dir / f"rank{job.rank}.raw.onnx"
-        ortb.save_raw(proto, raw)
-        del proto
-        trtb.build_rank_engine(raw, job.out_dir / engine_file(job.rank, "tensorrt"), job.build, job.trt, all_reduces)
-        return job.rank
-    out = job.out_dir / engine_file(job.rank)
-    raw = job.out_dir / f"rank{job.rank}.raw.onnx"
-    kernels = uses_engine_kernels(proto)
-    ortb.save_raw(proto, raw)
-    del proto
-    ortb.optimize(raw, out, opt_level=job.build.opt_level, fold_at_load=job.quant.source_grid, kernels=kernels)
-    return job.rank
-
-
 def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: PluginConfig, *,
                  force: bool = False, workers: int = 1, progress: Callable[[str], None] | None = None,
                  quant: QuantConfig | None = None, accuracy: AccuracyOptions | None = None,
@@ -269,79 +212,118 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
     """Build every rank of the engine into `out_dir` (atomically) and return its config. `quant` with a mode
     quantizes at build; `accuracy` sets its report and gate (default: sampled held-out text, no gate);
     `build_flags` (the CLI's resolved flags) are recorded in config.json."""
+    ckpt_dir = Path(ckpt_dir)
     ckpt = load_checkpoint_config(ckpt_dir)
     ckpt_digest = verify_checkpoint(ckpt_dir)  # hashes every file: a damaged checkpoint never becomes an engine
-    build = dataclasses.replace(build, backend=trtb.resolve_backend(build.backend, quant.mode if quant else None,
-                                                               build.kv_cache_dtype))
-    check_build_config(ckpt.model, build)
-    trt = trt or trtb.TensorRTOptions()
-    if build.backend == "tensorrt":
-        trtc.check_tensorrt_tp(import_tensorrt(), build.tp_size)
-        trtb.check_options(trt)
-        plugins = trtb.tensorrt_plugins(plugins)
-        build = dataclasses.replace(build, opt_level="disable")  # TensorRT optimizes; no ORT level applies
-        if quant is not None and quant.mode is not None and accuracy is not None and accuracy.max_ppl_increase:
-            raise EngineError("--max-ppl-increase is not supported with --backend tensorrt yet (the accuracy report "
-                              "scores engines with onnxruntime); leave it out", usage=True)
+    accuracy = accuracy or AccuracyOptions()
+    build, plugins, trt = _resolve_backend(ckpt, build, plugins, trt or trtb.TensorRTOptions(), quant, accuracy)
     if ckpt.quantization.mode is not None:
         raise EngineError(f"checkpoint {ckpt_dir} is quantized ({ckpt.quantization.mode}); engines are quantized at "
                           "build from a float checkpoint: convert without quantization and pass --dtype "
                           f"{ckpt.quantization.mode} to `engine build`")
     quant = resolve_quant(quant or QuantConfig(), ckpt_dir, ckpt, build.tp_size, build.backend,
                           plugins.engine_kernels_plugin)
-    accuracy = accuracy or AccuracyOptions()
     config = EngineConfig(
         model=ckpt.model, build=build, build_flags=dict(build_flags or {}), plugins=plugins,
         mapping=Mapping(world_size=build.tp_size, tp_size=build.tp_size, pp_size=1),
         quantization=quant, generation=ckpt.generation, memory=memory_plan(ckpt.model, build, quant, plugins),
         precision=precision_of(ckpt, build, quant, plugins), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
-    kv_quantized = build.kv_cache_dtype in kv_cache.QUANTIZED
     with atomic_output_dir(out_dir, force=force) as tmp, ReferenceEngine(ckpt_dir, config, tmp.parent) as reference:
-        calibrated = None
-        float_tensors = (dict(rank_tensors(ckpt_dir, ckpt, 1, 0))
-                         if quant.mode in calib.CALIBRATED or kv_quantized else None)
-        if quant.mode in calib.CALIBRATED:  # ModelOpt on a torch model of the checkpoint (quantization/calibrate.py)
-            from engine.quantization.calibrate import calibrate
-            calibrated, record = calibrate(ckpt.model, float_tensors, quant,
-                                           calibration or CalibrationOptions(), Path(ckpt_dir),
-                                           ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
-            quant = dataclasses.replace(quant, calibration=record)
-            config = dataclasses.replace(config, quantization=quant)
-        if kv_quantized:  # K/V absmax on the torch model of the float checkpoint (quantization/kv_cache.py)
-            record = kv_cache.calibrate_kv_scales(ckpt.model, float_tensors, build.kv_cache_dtype,
-                                                  calibration or kv_cache.KV_CALIBRATION, Path(ckpt_dir),
-                                                  ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
-            quant = dataclasses.replace(quant, kv_cache_dtype=build.kv_cache_dtype, kv_cache=record)
-            config = dataclasses.replace(config, quantization=quant,
-                                         precision={**config.precision, "kv_cache": kv_cache.describe(record)})
-        del float_tensors
-        jobs = [RankJob(Path(ckpt_dir), tmp, r, build, plugins, quant, trt, calibrated=calibrated) for r in range(build.tp_size)]
-        if workers > 1 and len(jobs) > 1:
-            with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
-                for rank in pool.map(build_rank, jobs):
-                    if progress:
-                        progress(engine_file(rank, build.backend))
-        else:
-            for job in jobs:
-                build_rank(job)
-                if progress:
-                    progress(engine_file(job.rank, build.backend))
-        if build.backend == "tensorrt":
-            config = dataclasses.replace(config, backend_device=trtb.device_stamp(build).record())
-        elif build.tp_size == 1 and plugins.engine_kernels_plugin:
-            config = dataclasses.replace(config, thread_pool=ortb.thread_pool(tmp / engine_file(0)))
+        config, calibrated = _calibrate(ckpt_dir, ckpt, config, calibration, reference)
+        jobs = [RankJob(ckpt_dir, tmp, r, build, plugins, config.quantization, trt, calibrated=calibrated)
+                for r in range(build.tp_size)]
+        _build_ranks(jobs, workers, progress)
+        config = _record_placement(config, tmp)
         copy_tokenizer_files(ckpt_dir, tmp)
         # last: the manifest lists every other file (the accuracy report below changes config.json only)
         config = save_sealed(tmp, config, source_digest=ckpt.manifest.source_digest, checkpoint_digest=ckpt_digest)
-        # scored against float32 weights, lm_head and KV
-        scored = quant.mode is not None or build.kv_cache_dtype != "float32" or quant.lm_head_dtype != "float32"
-        if scored and accuracy.eval_tokens and build.backend == "onnxruntime":
-            report = reference.accuracy_report(tmp, accuracy, ckpt.generation.bos_token_id)
-            config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
-            save_config(tmp, config)
-            check_gate(report, accuracy, quant.mode or (f"--kv-cache-dtype {build.kv_cache_dtype}"
-                                                        if build.kv_cache_dtype != "float32"
-                                                        else f"--lm-head-dtype {quant.lm_head_dtype}"))
+        config = _score(config, tmp, accuracy, reference)
     return config
 
+
+def _resolve_backend(ckpt: CheckpointConfig, build: BuildConfig, plugins: PluginConfig, trt: trtb.TensorRTOptions,
+                     quant: QuantConfig | None, accuracy: AccuracyOptions
+                     ) -> tuple[BuildConfig, PluginConfig, trtb.TensorRTOptions]:
+    """The build, plugins and TensorRT options for the backend that `build.backend` (perhaps auto) resolves to,
+    checked against the model."""
+    mode = quant.mode if quant else None
+    build = dataclasses.replace(build, backend=trtb.resolve_backend(build.backend, mode, build.kv_cache_dtype))
+    check_build_config(ckpt.model, build)
+    if build.backend != "tensorrt":
+        return build, plugins, trt
+    trtc.check_tensorrt_tp(import_tensorrt(), build.tp_size)
+    trtb.check_options(trt)
+    if mode is not None and accuracy.max_ppl_increase:
+        raise EngineError("--max-ppl-increase is not supported with --backend tensorrt yet (the accuracy report "
+                          "scores engines with onnxruntime); leave it out", usage=True)
+    # TensorRT optimizes; no ORT level applies
+    return dataclasses.replace(build, opt_level="disable"), trtb.tensorrt_plugins(plugins), trt
+
+
+def _calibrate(ckpt_dir: Path, ckpt: CheckpointConfig, config: EngineConfig,
+               calibration: CalibrationOptions | None, reference: ReferenceEngine) -> tuple[EngineConfig, dict | None]:
+    """Calibrate a calibrated --dtype (ModelOpt, quantization/calibrate.py) and a quantized KV cache (K/V absmax,
+    quantization/kv_cache.py), both on a torch model of the float checkpoint; returns the config that records
+    them and the calibrated projections by canonical name (None when no mode is calibrated)."""
+    quant, build = config.quantization, config.build
+    kv_quantized = build.kv_cache_dtype in kv_cache.QUANTIZED
+    if quant.mode not in calib.CALIBRATED and not kv_quantized:
+        return config, None
+    float_tensors = dict(rank_tensors(ckpt_dir, ckpt, 1, 0))
+    calibrated = None
+    if quant.mode in calib.CALIBRATED:
+        calibrated, record = calibrate(ckpt.model, float_tensors, quant, calibration or CalibrationOptions(),
+                                       ckpt_dir, ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
+        quant = dataclasses.replace(quant, calibration=record)
+        config = dataclasses.replace(config, quantization=quant)
+    if kv_quantized:
+        record = kv_cache.calibrate_kv_scales(ckpt.model, float_tensors, build.kv_cache_dtype,
+                                              calibration or kv_cache.KV_CALIBRATION, ckpt_dir,
+                                              ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
+        quant = dataclasses.replace(quant, kv_cache_dtype=build.kv_cache_dtype, kv_cache=record)
+        config = dataclasses.replace(config, quantization=quant,
+                                     precision={**config.precision, "kv_cache": kv_cache.describe(record)})
+    return config, calibrated
+
+
+def _build_ranks(jobs: list[RankJob], workers: int, progress: Callable[[str], None] | None) -> None:
+    """Build every rank, in `workers` worker processes when there are several ranks; `progress` hears of each."""
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
+            for rank in pool.map(build_rank, jobs):
+                if progress:
+                    progress(engine_file(rank, jobs[0].build.backend))
+        return
+    for job in jobs:
+        build_rank(job)
+        if progress:
+            progress(engine_file(job.rank, job.build.backend))
+
+
+def _record_placement(config: EngineConfig, engine_dir: Path) -> EngineConfig:
+    """The config with where the built graph runs: the GPU a TensorRT engine was built for, or the thread pool
+    of a tp 1 onnxruntime engine with the engine's kernels."""
+    build = config.build
+    if build.backend == "tensorrt":
+        return dataclasses.replace(config, backend_device=trtb.device_stamp(build).record())
+    if build.tp_size == 1 and config.plugins.engine_kernels_plugin:
+        return dataclasses.replace(config, thread_pool=ortb.thread_pool(engine_dir / engine_file(0)))
+    return config
+
+
+def _score(config: EngineConfig, engine_dir: Path, accuracy: AccuracyOptions,
+           reference: ReferenceEngine) -> EngineConfig:
+    """A build that differs from float32 (weights, lm_head or KV cache) scored against its float reference: the
+    report goes into config.json, and --max-ppl-increase fails the build."""
+    quant, build = config.quantization, config.build
+    scored = quant.mode is not None or build.kv_cache_dtype != "float32" or quant.lm_head_dtype != "float32"
+    if not (scored and accuracy.eval_tokens and build.backend == "onnxruntime"):
+        return config
+    report = reference.accuracy_report(engine_dir, accuracy, config.generation.bos_token_id)
+    config = dataclasses.replace(config, quantization=dataclasses.replace(quant, accuracy=report))
+    save_config(engine_dir, config)
+    check_gate(report, accuracy, quant.mode or (f"--kv-cache-dtype {build.kv_cache_dtype}"
+                                                if build.kv_cache_dtype != "float32"
+                                                else f"--lm-head-dtype {quant.lm_head_dtype}"))
+    return config

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 
-from engine.core.config import ModelConfig, QuantConfig
-from engine.core.engine_config import BuildConfig, MemoryPlan, PluginConfig
+from engine.core.model_config import ModelConfig, QuantConfig
+from engine.core.engine_format import BuildConfig, MemoryPlan, PluginConfig
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
 from engine.core.sharding import PACKED

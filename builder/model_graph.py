@@ -1,4 +1,4 @@
-"""ModelConfig + one rank's packed tensors -> the engine Graph of that rank (interface: core/engine_config.py).
+"""ModelConfig + one rank's packed tensors -> the engine Graph of that rank (interface: core/engine_format.py).
 
 One decoder layer i (names follow onnxruntime-genai: /model/layers.{i}/attn/qkv_proj/MatMul ...):
 
@@ -56,15 +56,16 @@ from typing import MutableMapping
 import numpy as np
 from onnx import TensorProto, helper
 
-from engine.core import engine_config as ec
-from engine.core.config import ModelConfig, QuantConfig
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core import engine_format as ec
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import ModelConfig, QuantConfig
 from engine.core.parallel import kv_heads_per_rank
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.calibrated_linear import calibrated_linear
 from engine.plugins.gated_mlp import activate, gate_times_up, gated_mlp, quant_mlp
 from engine.plugins.gguf_tiles import gguf_linear
+from engine.plugins.graph import MS_DOMAIN, Graph
 from engine.plugins.linear import linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
@@ -73,7 +74,6 @@ from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
 from engine.quantization.modes import GGUF, INT8_HEAD_GROUP
 from engine.quantization.weight_only import BITS, WeightOnlyScheme
 
-from .graph import MS_DOMAIN, Graph
 from .vocab_tables import VocabTables
 
 Tensors = MutableMapping[str, np.ndarray]
@@ -120,13 +120,17 @@ class _Builder(VocabTables):
         w = self.take(name)
         return w + np.float32(self.m.norm_weight_offset) if self.m.norm_weight_offset else w
 
-    def proj(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None) -> str:
-        """A projection of the layers: float32 MatMul, or quantized with the build's scheme."""
+    def proj(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None, *,
+             row_parallel: bool = False) -> str:
+        """A projection of the layers: float32 MatMul, or quantized with the build's scheme. A row-parallel one
+        (attention.dense, mlp.down) takes a slice of each token at tp > 1."""
         if self.is_calibrated(weight_name):
             w = self.t.pop_calibrated(weight_name, self.q.mode, self.q.group_size)
+            amax = self.all_reduce_max if row_parallel and self.tp > 1 else None
             return calibrated_linear(self.g, x, w, bias, name=name, weight_name=weight_name,
                                      plugin=self.p.weight_only_quant_matmul_plugin,
-                                     accuracy_level=self.q.accuracy_level or 0, kernel=self.p.engine_kernels_plugin)
+                                     accuracy_level=self.q.accuracy_level or 0, kernel=self.p.engine_kernels_plugin,
+                                     token_amax=amax)
         parts = self.t.gguf_parts(weight_name) if self.gguf else None
         if parts is not None:
             return gguf_linear(self.g, x, parts, bias, name=name, weight_name=weight_name,
@@ -157,7 +161,7 @@ class _Builder(VocabTables):
         if p.gemm_swiglu_plugin or self.gguf:
             fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
             hidden = gate_times_up(g, op, fused, m.intermediate_size // self.tp, m.activation, kernel=kernel)
-            down = self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
+            down = self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj", row_parallel=True)
             return quant_mlp(g, down, name=f"{name}/QuantMLP")
         if calibrated:
             fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
@@ -175,13 +179,18 @@ class _Builder(VocabTables):
                         scheme=self.scheme, plugin=plugin, kernel=kernel)
             del gate_up
         hidden = op("Mul", [activate(g, op, gate, m.activation, p.gemm_swiglu_plugin), up])
-        return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj")
+        return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj", row_parallel=True)
 
     def all_reduce(self, x: str, name: str) -> str:
         """Sum of the row-parallel partial results across ranks (com.microsoft AllReduce, NCCL builds)."""
         if self.tp == 1:
             return x
         return self.g.node("AllReduce", [x], name=f"{name}/AllReduce", domain=MS_DOMAIN, group_size=self.tp)
+
+    def all_reduce_max(self, x: str, name: str) -> str:
+        """Max across ranks (int8_sq's per-token amax at a row-parallel projection: core/engine_format.py)."""
+        return self.g.node("AllReduce", [x], name=f"{name}/AllReduceMax", domain=MS_DOMAIN, group_size=self.tp,
+                           reduce_op="max")
 
     def cache_output(self, value: str, name: str, kv_size: int) -> str:
         """Make the node that produced `value` (the ScatterND of write_kv, or RotaryPagedAttention) write graph
@@ -300,7 +309,7 @@ class _Builder(VocabTables):
         bias = self.take(w + "attention.qkv.bias") if m.qkv_bias else None
         qkv = self.proj(normed, w + "attention.qkv.weight", f"{pre}/attn/qkv_proj", bias)
         attn = self.attention(i, qkv, rope)
-        out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj")
+        out = self.proj(attn, w + "attention.dense.weight", f"{pre}/attn/o_proj", row_parallel=True)
         out = self.all_reduce(out, f"{pre}/attn/o_proj")
         if m.sandwich_norms:
             out = rms_norm(g, out, self.norm_weight(w + "attn_post_norm.weight"), m.norm_eps,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import onnx
 
-from engine.builder.graph import ENGINE_DOMAIN
 from engine.plugins import native
+from engine.plugins.graph import ENGINE_DOMAIN
 
 OPT_LEVELS = ("disable", "basic", "extended", "all")
 MIN_EXTERNAL_BYTES = 1024

@@ -12,8 +12,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.core.artifacts import CheckpointConfig, rank_file
-from engine.core.config import ModelConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import ModelConfig
 from engine.core.sharding import PACKED, Packer, shard, unpack_and_merge
 from engine.core.tensors import rank_elements, split_name
 from engine.quantization.gguf_tensor import METADATA_PREFIX, GGUFTensor, from_metadata

@@ -18,14 +18,15 @@ import tempfile
 from pathlib import Path
 
 from engine.core.artifacts import save_sealed
-from engine.core.config import Mapping, QuantConfig
-from engine.core.engine_config import BuildConfig, EngineConfig, PluginConfig
+from engine.core.model_config import Mapping, QuantConfig
+from engine.core.engine_format import BuildConfig, EngineConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.quantization.modes import GGUF
 from engine.quantization.accuracy import AccuracyOptions, accuracy_report, chat_windows, held_out_windows
 from engine.runtime.engine_dir import backend_version
 
 from .memory import memory_plan
+from .rank_job import RankJob, build_rank
 
 # sequences sampled together. SmolLM2 fp32, 2 threads, 128 tokens each: 136 / 156 / 158 tok/s at 16 / 32 / 64
 # (bench/NOTES.md entry 14); 32 x 512 tokens take a 0.75 GB KV pool
@@ -57,8 +58,6 @@ class ReferenceEngine:
     def path(self) -> Path:
         """The reference engine's directory, built on the first call."""
         if self._dir is None:
-            from .build import RankJob, build_rank
-
             config = self._config
             b = config.build
             on_ort = b.backend == "onnxruntime"  # a TensorRT build's graph flavour is not for onnxruntime

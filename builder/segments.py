@@ -1,4 +1,4 @@
-"""Cut one rank's graph of a tp > 1 engine at its all-reduce points into segment graphs (see core/engine_config.py).
+"""Cut one rank's graph of a tp > 1 engine at its all-reduce points into segment graphs (see core/engine_format.py).
 
 The graph builder marks each all-reduce with a com.microsoft AllReduce node (after o_proj and after mlp down of every
 layer). ONNX Runtime's CPU build has no kernel for it, and a collective inside the graph would tie the engine to one
@@ -22,10 +22,10 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from engine.core.engine_config import allreduce_name, num_segments, segment_file
+from engine.core.engine_format import SUM, allreduce_name, segment_file, segment_reduces
+from engine.plugins.graph import MS_DOMAIN, Graph, model_of, uses_engine_kernels
 
 from . import onnxruntime_backend as ortb
-from .graph import MS_DOMAIN, Graph, model_of, uses_engine_kernels
 
 
 @dataclass
@@ -48,14 +48,22 @@ def _is_all_reduce(node: onnx.NodeProto) -> bool:
     return node.op_type == "AllReduce" and node.domain == MS_DOMAIN
 
 
-def split_at_all_reduce(graph: Graph) -> list[Segment]:
-    """The segments of `graph` (consumed: its nodes and initializers move into the segments)."""
+def _reduce_op(node: onnx.NodeProto) -> str:
+    """A sum, or the max a node marks with reduce_op (model_graph.all_reduce_max)."""
+    return next((helper.get_attribute_value(a).decode() for a in node.attribute if a.name == "reduce_op"), SUM)
+
+
+def split_at_all_reduce(graph: Graph) -> tuple[list[Segment], list[str]]:
+    """The segments of `graph` (consumed: its nodes and initializers move into the segments) and the reduction at
+    the end of each but the last."""
     segments = [Segment()]
+    reduces: list[str] = []
     rename: dict[str, str] = {}
     for node in graph.nodes:
         if _is_all_reduce(node):
             name = allreduce_name(len(segments) - 1)
             rename[node.input[0]] = rename[node.output[0]] = name
+            reduces.append(_reduce_op(node))
             segments.append(Segment())
         else:
             assert not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute), \
@@ -115,14 +123,15 @@ def split_at_all_reduce(graph: Graph) -> list[Segment]:
     for k in range(len(segments) - 1):
         # The runtime keeps two all-reduce buffers: a partial sum must be read by the next segment only.
         assert users.get(allreduce_name(k), set()) <= {k + 1}, (allreduce_name(k), users.get(allreduce_name(k)))
-    return segments
+    return segments, reduces
 
 
-def save_segments(graph: Graph, out_dir: Path, rank: int, *, num_layers: int, opt_level: str,
+def save_segments(graph: Graph, out_dir: Path, rank: int, *, num_layers: int, quant_mode: str | None, opt_level: str,
                   fold_at_load: bool = False) -> None:
     """Cut `graph` (consumed) and write each segment optimized by ORT, like a tp=1 engine: rank{r}.seg{k}.onnx."""
-    segments = split_at_all_reduce(graph)
-    assert len(segments) == num_segments(num_layers), (len(segments), num_layers)
+    segments, reduces = split_at_all_reduce(graph)
+    # the runtime reads the reductions from the engine's config, not from the graphs
+    assert tuple(reduces) == segment_reduces(num_layers, quant_mode), (reduces, num_layers, quant_mode)
     for k in range(len(segments)):
         seg, segments[k] = segments[k], None
         raw = out_dir / f"rank{rank}.seg{k:03d}.raw.onnx"

@@ -1,6 +1,6 @@
 """The TensorRT backend: which ONNX graph TensorRT gets, the builder settings derived from the build flags, and
 the ONNX -> serialized-engine call. NOTHING TENSORRT HAS RUN: no TensorRT and no GPU exist where this project is
-developed (shared/anchors/check_tensorrt.txt), so this module is written to TensorRT's documented Python API
+developed (bench/anchors/check_tensorrt.txt), so this module is written to TensorRT's documented Python API
 (10.x and 11.x) and everything before the TensorRT call is tested here as plain functions.
 
     BuildConfig + TensorRTOptions ──builder_settings──▶ BuilderSettings (workspace bytes, one optimization profile:
@@ -64,7 +64,7 @@ from typing import Callable
 
 import onnx
 
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.runtime.trt_session import import_tensorrt
 
@@ -126,7 +126,7 @@ def max_slots(build: BuildConfig) -> int:
 
 
 def dim_ranges(build: BuildConfig) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) of each symbolic dimension of the graph interface (core/engine_config.py).
+    """(min, opt, max) of each symbolic dimension of the graph interface (core/engine_format.py).
 
     One profile, tuned (opt) for a decode step of a full batch, the steady state of serving; prefill shapes run
     on the same engine with kernels chosen for decode. S may be 0: a step of non-final prefill chunks samples

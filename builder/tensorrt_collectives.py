@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import onnx
 
 from engine.core.errors import EngineError
-
-from .graph import MS_DOMAIN
+from engine.plugins.graph import MS_DOMAIN
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.core.config import ModelConfig, QuantConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import ModelConfig, QuantConfig
 from engine.quantization.modes import quantized_in_features
 
 # --dtype modes whose TensorRT flavour is explicit Q/DQ as TensorRT documents it: int8_wo, int4_wo and int4_awq as

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.core import engine_config as ec
+from engine.core import engine_format as ec
 from engine.plugins import quant_matmul
 from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear

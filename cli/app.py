@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import inspect
 import signal
 import sys
 import threading
@@ -24,7 +25,7 @@ from rich.markup import escape
 from engine.core import VERSION
 from engine.core.errors import EngineError
 
-from . import config_file
+from . import flags_file
 
 # command name -> (module under engine.cli, function), in the order help lists them
 COMMANDS = {
@@ -72,14 +73,23 @@ def make_app(names) -> typer.Typer:
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
-        rich_markup_mode="rich",
+        # click's plain help, not rich's panels: rich's options table levels its columns to fit the terminal and
+        # cuts long flag names ("--weight-only-quant-matmul…") in an 80-column CI log; click wraps only the help text
+        rich_markup_mode=None,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     app.callback()(_global)
     for name in names:
         module, function = COMMANDS[name]
-        app.command(name, no_args_is_help=True)(getattr(importlib.import_module(f"engine.cli.{module}"), function))
+        command = getattr(importlib.import_module(f"engine.cli.{module}"), function)
+        app.command(name, no_args_is_help=True, short_help=_summary(command))(command)
     return app
+
+
+def _summary(command) -> str:
+    """The first paragraph of a command's docstring, whole: click would cut the listing's line at the terminal's
+    width with "..."."""
+    return " ".join(inspect.getdoc(command).split("\n\n")[0].split())
 
 
 def _command_word(argv: list[str]) -> str | None:
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         else:  # a bad command line (unknown option, a value of the wrong type): one line, like EngineError
             ctx = getattr(e, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-            _print_error(e.format_message() + config_file.origin(e) + hint)
+            _print_error(e.format_message() + flags_file.origin(e) + hint)
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         _print_error("interrupted")

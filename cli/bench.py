@@ -4,10 +4,10 @@
     engine bench --engine-dir ENGINE --mode latency --dataset requests.jsonl --report-json report.json
 
 The dataset is made (or read and checked against the engine's limits) before the engine loads, so a bad flag or
-line fails fast. The measuring is runtime/benchmark.py; this module parses flags, prints the tables (stdout; a
+line fails fast. The measuring is runtime/benchmark/; this module parses flags, prints the tables (stdout; a
 progress bar and warnings on stderr) and writes the report: --report-json FILE atomically, --json to stdout
 instead of the tables (cli/json_output.py's document: "command": "bench", "ok", then the report's fields). The
-report is BenchReport serialized field by field (core/serde.to_json).
+report is BenchReport serialized field by field (core/serde.to_json). --plot FILE draws it (cli/bench_plot.py).
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ from rich.table import Table
 from engine.core.errors import EngineError
 
 from . import json_output, options
+from .bench_plot import check_plot, write_plot
 from .progress import progress_bar
 from .run import _log_warnings_to
 
-DEFAULT_SYNTHETIC_REQUESTS = 16     # runtime/bench_dataset.py's defaults (a test keeps them equal), for the help
+DEFAULT_SYNTHETIC_REQUESTS = 16     # runtime/benchmark/dataset.py's defaults (a test keeps them equal), for the help
 DEFAULT_INPUT_LEN = 128
 
 
@@ -53,6 +54,8 @@ def bench_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts and the warm-up prompts (default 0)."),
     report_json: Optional[Path] = typer.Option(None, "--report-json", help="Write the full report (settings, "
                                                "summary, per-request latencies) to this JSON file (default: none)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the run's latency distributions (TTFT, TPOT and "
+                                        "ITL, E2E) and throughputs into this PNG; needs matplotlib (default: none)."),
     as_json: bool = json_output.JSON,
     no_progress: bool = json_output.NO_PROGRESS,
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
@@ -64,8 +67,8 @@ def bench_command(
 ):
     """Measure an engine's throughput or latency: tokens/s, TTFT, TPOT, inter-token latency, memory."""
     from engine.runtime import LLM, Tokenizer
-    from engine.runtime.bench_dataset import check_positive, make_requests
-    from engine.runtime.benchmark import BenchConfig, run_benchmark
+    from engine.runtime.benchmark.dataset import check_positive, make_requests
+    from engine.runtime.benchmark.runner import BenchConfig, run_benchmark
     from engine.runtime.engine_dir import load_engine_config
 
     config = BenchConfig(mode=mode, concurrency=concurrency, warmup=warmup, seed=seed)
@@ -73,6 +76,8 @@ def bench_command(
     if report_json is not None and not report_json.absolute().parent.is_dir():
         raise EngineError(f"--report-json {report_json}: the directory {report_json.absolute().parent} does not "
                           "exist; create it or choose another path", usage=True)
+    if plot is not None:
+        check_plot(plot)
     requests = make_requests(dataset, load_engine_config(engine_dir), Tokenizer(engine_dir), output_len=output_len,
                              num_requests=num_requests, input_len=input_len, seed=seed)
 
@@ -90,6 +95,8 @@ def bench_command(
     document = to_json(report)
     if report_json is not None:
         write_json_atomic(report_json, document)
+    if plot is not None:
+        write_plot(report, plot)
     if as_json:
         json_output.print_json("bench", document)
     else:
@@ -98,6 +105,8 @@ def bench_command(
         out.print(latency_table(report))
         if report_json is not None:
             err.print(f"report written to {escape(str(report_json))}")
+        if plot is not None:
+            err.print(f"plot written to {escape(str(plot))}")
 
 
 def summary_table(report) -> Table:

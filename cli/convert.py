@@ -13,8 +13,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from engine.core.config import DTYPES
 from engine.core.errors import EngineError
+from engine.core.model_config import DTYPES
 
 from .json_output import JSON, NO_PROGRESS, print_json
 from .progress import progress_bar

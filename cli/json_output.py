@@ -2,7 +2,7 @@
 
 With `--json` a command prints exactly one JSON object on stdout and nothing else there (notes and errors go to
 stderr), so `engine build ... --json | jq .digest` works. Every document carries `command` and `ok`; the other
-fields are the command's results, documented in the README. A failing command exits 1 (2 for a usage error)
+fields are the command's results, documented in docs/ci.md. A failing command exits 1 (2 for a usage error)
 after printing its error on stderr; `engine verify` also prints its document (`ok: false`, the mismatch).
 """
 from __future__ import annotations

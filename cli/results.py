@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.core.artifacts import CheckpointConfig
-from engine.core.engine_config import EngineConfig
+from engine.core.engine_format import EngineConfig
 from engine.core.manifest import CONFIG, digest_file
 
 

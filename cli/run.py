@@ -18,6 +18,7 @@ import logging
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -30,108 +31,178 @@ from engine.core.errors import EngineError
 from . import options
 from .distributed import distributed_from_env, serve_rank_if_worker
 
+ENGINE_DIR = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required).")
+INPUT_TEXT = typer.Option(None, "--input-text", help="A prompt; repeat the flag for several prompts, which run "
+                          "together (default: none).")
+INPUT_FILE = typer.Option(None, "--input-file", help="Prompts from a file: a .json list of strings (or of token-id "
+                          "lists), else one prompt per line, blank lines skipped (default: none).")
+MAX_OUTPUT_LEN = typer.Option(..., "--max-output-len", help="Maximum new tokens per prompt (required; clipped to "
+                              "max_seq_len - prompt tokens with a warning).")
+TEMPERATURE = typer.Option(0.0, "--temperature", help="Sampling temperature (default 0 = greedy; top-k / top-p / "
+                           "min-p apply only above 0).")
+TOP_K = typer.Option(0, "--top-k", help="Keep the k most likely tokens (default 0 = off).")
+TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling probability mass, in (0, 1] (default 1.0 = off).")
+MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability, in [0, 1] (default "
+                     "0.0 = off).")
+REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty", help="Divide the logits of tokens of the prompt and "
+                                  "output by this, > 0 (default 1.0 = off).")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="Subtract from the logits of generated tokens, in "
+                                "[-2, 2] (default 0.0 = off).")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="Subtract per occurrence among generated tokens, "
+                                 "in [-2, 2] (default 0.0 = off).")
+SEED = typer.Option(None, "--seed", help="Random seed of every prompt's sampler (default: none, nondeterministic).")
+STOP = typer.Option(None, "--stop", help="Stop string; repeatable; the output is cut before it (default: none).")
+END_ID = typer.Option(None, "--end-id", help="Token id that ends generation, instead of the engine's eos ids "
+                      "(default: the engine's eos ids).")
+STREAMING = typer.Option(False, "--streaming", help="Print text as it is produced, whole characters only (default: "
+                         "off); several prompts: line by line, tagged [i].")
+CHAT = typer.Option(False, "--chat", help="Send each prompt as one user message through the engine's chat template "
+                    "(default: off).")
+OUTPUT_JSON = typer.Option(None, "--output-json", help="Also write the results to this JSON file (default: none).")
+KV_CACHE_MEMORY_BYTES = typer.Option(None, "--kv-cache-memory-bytes", help="KV cache size in bytes, e.g. 536870912, "
+                                     "512MiB or 2GB; overrides --kv-cache-mem-fraction (default: none).")
+SCHEDULING_POLICY = typer.Option("fcfs", "--scheduling-policy", help="fcfs (arrival order) or priority (lower "
+                                 "--priority first, ties by arrival) (default: fcfs).")
+PRIORITY = typer.Option(None, "--priority", help="Priority of the prompts, lower runs first: once for all prompts "
+                        "or once per prompt, in order; needs --scheduling-policy priority (default: 0).")
+
+
+@dataclass(frozen=True)
+class RunFlags:
+    """`engine run`'s flags as given, not yet checked."""
+    engine_dir: Path
+    input_text: Optional[list[str]]
+    input_file: Optional[Path]
+    max_output_len: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: Optional[int]
+    stop: Optional[list[str]]
+    end_id: Optional[int]
+    streaming: bool
+    chat: bool
+    output_json: Optional[Path]
+    kv_cache_mem_fraction: float
+    max_kv_tokens: Optional[int]
+    threads: Optional[int]
+    tp_timeout: float
+    kv_cache_memory_bytes: Optional[str]
+    max_num_tokens: Optional[int]
+    max_batch_size: Optional[int]
+    prefix_caching: bool
+    scheduling_policy: str
+    priority: Optional[list[int]]
+
 
 def run_command(
-    engine_dir: Path = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required)."),
-    input_text: Optional[list[str]] = typer.Option(None, "--input-text", help="A prompt; repeat the flag for "
-                                                   "several prompts, which run together (default: none)."),
-    input_file: Optional[Path] = typer.Option(None, "--input-file", help="Prompts from a file: a .json list of "
-                                              "strings (or of token-id lists), else one prompt per line, blank "
-                                              "lines skipped (default: none)."),
-    max_output_len: int = typer.Option(..., "--max-output-len", help="Maximum new tokens per prompt (required; "
-                                       "clipped to max_seq_len - prompt tokens with a warning)."),
-    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature (default 0 = greedy; "
-                                      "top-k / top-p / min-p apply only above 0)."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (default 0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling probability mass, in (0, 1] "
-                                "(default 1.0 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability, in "
-                                "[0, 1] (default 0.0 = off)."),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Divide the logits of tokens of "
-                                             "the prompt and output by this, > 0 (default 1.0 = off)."),
-    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="Subtract from the logits of "
-                                           "generated tokens, in [-2, 2] (default 0.0 = off)."),
-    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="Subtract per occurrence among "
-                                            "generated tokens, in [-2, 2] (default 0.0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed of every prompt's sampler "
-                                       "(default: none, nondeterministic)."),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string; repeatable; the output is cut "
-                                             "before it (default: none)."),
-    end_id: Optional[int] = typer.Option(None, "--end-id", help="Token id that ends generation, instead of the "
-                                         "engine's eos ids (default: the engine's eos ids)."),
-    streaming: bool = typer.Option(False, "--streaming", help="Print text as it is produced, whole characters "
-                                   "only (default: off); several prompts: line by line, tagged [i]."),
-    chat: bool = typer.Option(False, "--chat", help="Send each prompt as one user message through the engine's "
-                              "chat template (default: off)."),
-    output_json: Optional[Path] = typer.Option(None, "--output-json", help="Also write the results to this JSON "
-                                               "file (default: none)."),
+    engine_dir: Path = ENGINE_DIR,
+    input_text: Optional[list[str]] = INPUT_TEXT,
+    input_file: Optional[Path] = INPUT_FILE,
+    max_output_len: int = MAX_OUTPUT_LEN,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    min_p: float = MIN_P,
+    repetition_penalty: float = REPETITION_PENALTY,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
+    seed: Optional[int] = SEED,
+    stop: Optional[list[str]] = STOP,
+    end_id: Optional[int] = END_ID,
+    streaming: bool = STREAMING,
+    chat: bool = CHAT,
+    output_json: Optional[Path] = OUTPUT_JSON,
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
     max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
     threads: Optional[int] = options.THREADS,
     tp_timeout: float = options.TP_TIMEOUT,
-    kv_cache_memory_bytes: Optional[str] = typer.Option(None, "--kv-cache-memory-bytes", help="KV cache size in "
-                                                        "bytes, e.g. 536870912, 512MiB or 2GB; overrides "
-                                                        "--kv-cache-mem-fraction (default: none)."),
+    kv_cache_memory_bytes: Optional[str] = KV_CACHE_MEMORY_BYTES,
     max_num_tokens: Optional[int] = options.MAX_NUM_TOKENS,
     max_batch_size: Optional[int] = options.MAX_BATCH_SIZE,
     prefix_caching: bool = options.PREFIX_CACHING,
-    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help="fcfs (arrival order) or priority "
-                                          "(lower --priority first, ties by arrival) (default: fcfs)."),
-    priority: Optional[list[int]] = typer.Option(None, "--priority", help="Priority of the prompts, lower runs "
-                                                 "first: once for all prompts or once per prompt, in order; needs "
-                                                 "--scheduling-policy priority (default: 0)."),
+    scheduling_policy: str = SCHEDULING_POLICY,
+    priority: Optional[list[int]] = PRIORITY,
 ):
     """Generate from prompts with an engine: several prompts run together, with a summary of speeds."""
-    from engine.runtime import LLM, SamplingParams
-
-    prompts = _read_prompts(input_text, input_file)
-    if max_output_len < 1:
-        raise EngineError(f"--max-output-len {max_output_len} must be >= 1", usage=True)
-    if threads is not None and threads < 1:
-        raise EngineError(f"--threads {threads} must be >= 1", usage=True)
-    priorities = list(priority or [0])
-    if len(priorities) == 1:
-        priorities *= len(prompts)
-    if len(priorities) != len(prompts):
-        raise EngineError(f"{len(priorities)} --priority values for {len(prompts)} prompts; give one for all, or "
-                          "one per prompt", usage=True)
-    if any(priorities) and scheduling_policy != "priority":
-        raise EngineError(f"--priority {next(p for p in priorities if p)} needs --scheduling-policy priority "
-                          f"(under {scheduling_policy} every request runs in arrival order)", usage=True)
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed,
-        max_tokens=max_output_len, stop=tuple(stop or ()),
-        stop_token_ids=() if end_id is None else (end_id,), ignore_eos=end_id is not None)
-    distributed = distributed_from_env(tp_timeout)
-    if serve_rank_if_worker(engine_dir, distributed, threads):  # torchrun-style rank > 0: no prompts, no output
+    flags = RunFlags(**locals())  # first: the parameters are all there is in locals()
+    prompts = _read_prompts(flags.input_text, flags.input_file)
+    priorities = _check_flags(flags, len(prompts))
+    params = _sampling_params(flags)
+    distributed = distributed_from_env(flags.tp_timeout)
+    if serve_rank_if_worker(flags.engine_dir, distributed, flags.threads):  # torchrun-style rank > 0: no output
         return
     err = Console(stderr=True, highlight=False)
     _log_warnings_to(err)
-    llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
-              threads=threads, kv_cache_memory_bytes=_parse_bytes(kv_cache_memory_bytes),
-              enable_prefix_caching=prefix_caching, scheduling_policy=scheduling_policy,
-              max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, distributed=distributed)
-    inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if chat and isinstance(p, str) else p
-              for p in prompts]
+    llm = _load(flags, distributed)
     start = time.monotonic()
-    outputs = {}
-    printer = _StreamPrinter(tagged=len(prompts) > 1) if streaming else None
-    for out in llm.stream(inputs, params, request_ids=(order := []), priority=priorities):
-        if out.finished:
-            outputs[out.request_id] = out
-        if printer is not None:
-            printer.add(order.index(out.request_id), out.delta_text, out.finished)
+    results = _generate(llm, flags, prompts, params, priorities)
     wall = time.monotonic() - start
-    results = [outputs[rid] for rid in order]
-    if printer is None:
+    if not flags.streaming:
         for i, (p, out) in enumerate(zip(prompts, results)):
             print(f"Input [Text {i}]: {json.dumps(p, ensure_ascii=False)}")
             print(f"Output [Text {i}]: {json.dumps(out.text, ensure_ascii=False)}")
     sys.stdout.flush()
     err.print(_summary(results, wall, llm.kv_plan, llm.stats()))
-    if output_json is not None:
-        _write_json(output_json, prompts, results)
+    if flags.output_json is not None:
+        _write_json(flags.output_json, prompts, results)
+
+
+def _check_flags(flags: RunFlags, num_prompts: int) -> list[int]:
+    """Refuse bad values; returns each prompt's priority."""
+    if flags.max_output_len < 1:
+        raise EngineError(f"--max-output-len {flags.max_output_len} must be >= 1", usage=True)
+    if flags.threads is not None and flags.threads < 1:
+        raise EngineError(f"--threads {flags.threads} must be >= 1", usage=True)
+    priorities = list(flags.priority or [0])
+    if len(priorities) == 1:
+        priorities *= num_prompts
+    if len(priorities) != num_prompts:
+        raise EngineError(f"{len(priorities)} --priority values for {num_prompts} prompts; give one for all, or "
+                          "one per prompt", usage=True)
+    if any(priorities) and flags.scheduling_policy != "priority":
+        raise EngineError(f"--priority {next(p for p in priorities if p)} needs --scheduling-policy priority "
+                          f"(under {flags.scheduling_policy} every request runs in arrival order)", usage=True)
+    return priorities
+
+
+def _sampling_params(flags: RunFlags):
+    from engine.runtime import SamplingParams
+
+    return SamplingParams(
+        temperature=flags.temperature, top_k=flags.top_k, top_p=flags.top_p, min_p=flags.min_p,
+        repetition_penalty=flags.repetition_penalty, presence_penalty=flags.presence_penalty,
+        frequency_penalty=flags.frequency_penalty, seed=flags.seed, max_tokens=flags.max_output_len,
+        stop=tuple(flags.stop or ()), stop_token_ids=() if flags.end_id is None else (flags.end_id,),
+        ignore_eos=flags.end_id is not None)
+
+
+def _load(flags: RunFlags, distributed):
+    from engine.runtime import LLM
+
+    return LLM(flags.engine_dir, kv_cache_mem_fraction=flags.kv_cache_mem_fraction,
+               max_kv_tokens=flags.max_kv_tokens, threads=flags.threads,
+               kv_cache_memory_bytes=_parse_bytes(flags.kv_cache_memory_bytes),
+               enable_prefix_caching=flags.prefix_caching, scheduling_policy=flags.scheduling_policy,
+               max_num_tokens=flags.max_num_tokens, max_batch_size=flags.max_batch_size, distributed=distributed)
+
+
+def _generate(llm, flags: RunFlags, prompts: list, params, priorities: list[int]) -> list:
+    """Every prompt's final output, in the prompts' order; --streaming prints the text as it comes."""
+    inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if flags.chat and isinstance(p, str) else p
+              for p in prompts]
+    outputs = {}
+    printer = _StreamPrinter(tagged=len(prompts) > 1) if flags.streaming else None
+    for out in llm.stream(inputs, params, request_ids=(order := []), priority=priorities):
+        if out.finished:
+            outputs[out.request_id] = out
+        if printer is not None:
+            printer.add(order.index(out.request_id), out.delta_text, out.finished)
+    return [outputs[rid] for rid in order]
 
 
 class _StreamPrinter:

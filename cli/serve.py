@@ -5,7 +5,7 @@
 Binds 127.0.0.1 unless --host says otherwise. /health answers 200 once the engine is loaded and warmed. SIGTERM
 or Ctrl-C stops admission and lets requests in flight finish for up to --shutdown-timeout seconds; with
 --state-dir it saves them instead and exits at once, and the next server on that directory resumes them. The server
-itself is runtime/server.py; this module only parses flags, reads ENGINE_API_KEY and configures logging.
+itself is runtime/server/; this module only parses flags, reads ENGINE_API_KEY and configures logging.
 """
 from __future__ import annotations
 
@@ -20,59 +20,64 @@ from engine.core.errors import EngineError
 from . import options
 from .distributed import StopOnRankFailure, distributed_from_env, serve_rank_if_worker
 
+ENGINE_DIR = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required).")
+HOST = typer.Option("127.0.0.1", "--host", help="Address to bind (default 127.0.0.1, this machine only; 0.0.0.0 "
+                    "exposes the server to the network).")
+PORT = typer.Option(8000, "--port", help="TCP port (default 8000; 0 picks a free one).")
+SERVED_MODEL_NAME = typer.Option(None, "--served-model-name", help="The model name clients send and /v1/models "
+                                 "lists (default: the engine directory's name).")
+API_KEY = typer.Option(None, "--api-key", envvar="ENGINE_API_KEY", help="Require 'Authorization: Bearer KEY' on "
+                       "/v1/*, /tokenize and /detokenize (default: none; or the ENGINE_API_KEY environment "
+                       "variable).")
+MAX_QUEUE = typer.Option(256, "--max-queue", help="Sequences that may wait beyond one full batch; more are answered "
+                         "429 with Retry-After (default 256).")
+SCHEDULING_POLICY = typer.Option("fcfs", "--scheduling-policy", help="fcfs (default; requests with a nonzero "
+                                 "priority are refused) or priority (the request's `priority` field orders the "
+                                 "queue, lower first).")
+SHUTDOWN_TIMEOUT = typer.Option(30.0, "--shutdown-timeout", help="Seconds requests in flight get to finish after "
+                                "SIGTERM before they are aborted (default 30).")
+STATE_DIR = typer.Option(None, "--state-dir", help="Directory for checkpoints of the requests in flight (written "
+                         "atomically every --state-checkpoint-interval seconds and on SIGTERM); a server restarted "
+                         "on it resumes them and clients reconnect with GET /v1/requests/ID/stream. SIGTERM then "
+                         "saves and exits at once instead of draining (default: off).")
+STATE_CHECKPOINT_INTERVAL = typer.Option(30.0, "--state-checkpoint-interval", help="Seconds between state "
+                                         "checkpoints with --state-dir (default 30).")
+STATE_RESULT_TTL = typer.Option(600.0, "--state-result-ttl", help="Seconds a resumed response is kept for its "
+                                "client after it finished (default 600).")
+MAX_BODY_BYTES = typer.Option(4 * 2**20, "--max-body-bytes", help="Largest request body accepted; larger ones are "
+                              "answered 413 (bytes, default 4194304 = 4 MiB).")
+STREAM_INTERVAL = typer.Option(1, "--stream-interval", help="Tokens per streamed chunk after the first: 1 (default) "
+                               "sends every token; N sends every N-th, the chunk holding the N tokens since the "
+                               "last (fewer SSE writes with many streams).")
+LOG_LEVEL = typer.Option("info", "--log-level", help="debug, info, warning or error (default info).")
+
 
 def serve_command(
-    engine_dir: Path = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default 127.0.0.1, this machine "
-                             "only; 0.0.0.0 exposes the server to the network)."),
-    port: int = typer.Option(8000, "--port", help="TCP port (default 8000; 0 picks a free one)."),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients "
-                                                    "send and /v1/models lists (default: the engine "
-                                                    "directory's name)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ENGINE_API_KEY", help="Require "
-                                          "'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-                                          "(default: none; or the ENGINE_API_KEY environment variable)."),
-    max_queue: int = typer.Option(256, "--max-queue", help="Sequences that may wait beyond one full batch; more "
-                                  "are answered 429 with Retry-After (default 256)."),
-    scheduling_policy: str = typer.Option("fcfs", "--scheduling-policy", help="fcfs (default; requests with a "
-                                          "nonzero priority are refused) or priority (the request's `priority` "
-                                          "field orders the queue, lower first)."),
-    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds requests in flight get to "
-                                           "finish after SIGTERM before they are aborted (default 30)."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Directory for checkpoints of the requests "
-                                             "in flight (written atomically every --state-checkpoint-interval "
-                                             "seconds and on SIGTERM); a server restarted on it resumes them and "
-                                             "clients reconnect with GET /v1/requests/ID/stream. SIGTERM then "
-                                             "saves and exits at once instead of draining (default: off)."),
-    state_checkpoint_interval: float = typer.Option(30.0, "--state-checkpoint-interval", help="Seconds between "
-                                                    "state checkpoints with --state-dir (default 30)."),
-    state_result_ttl: float = typer.Option(600.0, "--state-result-ttl", help="Seconds a resumed response is "
-                                           "kept for its client after it finished (default 600)."),
-    max_body_bytes: int = typer.Option(4 * 2**20, "--max-body-bytes", help="Largest request body accepted; "
-                                       "larger ones are answered 413 (bytes, default 4194304 = 4 MiB)."),
-    stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed chunk after the first: "
-                                        "1 (default) sends every token; N sends every N-th, the chunk holding the "
-                                        "N tokens since the last (fewer SSE writes with many streams)."),
+    engine_dir: Path = ENGINE_DIR,
+    host: str = HOST,
+    port: int = PORT,
+    served_model_name: Optional[str] = SERVED_MODEL_NAME,
+    api_key: Optional[str] = API_KEY,
+    max_queue: int = MAX_QUEUE,
+    scheduling_policy: str = SCHEDULING_POLICY,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+    state_dir: Optional[Path] = STATE_DIR,
+    state_checkpoint_interval: float = STATE_CHECKPOINT_INTERVAL,
+    state_result_ttl: float = STATE_RESULT_TTL,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    stream_interval: int = STREAM_INTERVAL,
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
     max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
     threads: Optional[int] = options.THREADS,
     tp_timeout: float = options.TP_TIMEOUT,
-    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error (default info)."),
+    log_level: str = LOG_LEVEL,
 ):
     """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""
     from engine.runtime import LLM
-    from engine.runtime.engine_core import check_stream_interval
-    from engine.runtime.server import ServerConfig, create_app, run_server
+    from engine.runtime.server.app import create_app, run_server
+    from engine.runtime.server.config import ServerConfig
 
-    if not 0 <= port <= 65535:
-        raise EngineError(f"--port {port} must be in [0, 65535]", usage=True)
-    check_stream_interval(stream_interval)
-    if threads is not None and threads < 1:
-        raise EngineError(f"--threads {threads} must be >= 1", usage=True)
-    if log_level not in ("debug", "info", "warning", "error"):
-        raise EngineError(f"--log-level {log_level!r} must be debug, info, warning or error", usage=True)
-    if api_key is not None and not api_key.strip():
-        raise EngineError("--api-key is empty; give a key or leave the flag (and ENGINE_API_KEY) out", usage=True)
+    _check_flags(port, stream_interval, threads, log_level, api_key)
     config = ServerConfig(engine_dir=engine_dir, served_model_name=served_model_name or engine_dir.resolve().name,
                           host=host, port=port, api_key=api_key, max_queue=max_queue,
                           scheduling_policy=scheduling_policy, shutdown_timeout=shutdown_timeout,
@@ -99,3 +104,17 @@ def serve_command(
     if rc:
         raise EngineError(f"the engine in {engine_dir} failed to load: {app.state.server.load_error}")
     return rc
+
+
+def _check_flags(port: int, stream_interval: int, threads: int | None, log_level: str, api_key: str | None) -> None:
+    from engine.runtime.engine_core import check_stream_interval
+
+    if not 0 <= port <= 65535:
+        raise EngineError(f"--port {port} must be in [0, 65535]", usage=True)
+    check_stream_interval(stream_interval)
+    if threads is not None and threads < 1:
+        raise EngineError(f"--threads {threads} must be >= 1", usage=True)
+    if log_level not in ("debug", "info", "warning", "error"):
+        raise EngineError(f"--log-level {log_level!r} must be debug, info, warning or error", usage=True)
+    if api_key is not None and not api_key.strip():
+        raise EngineError("--api-key is empty; give a key or leave the flag (and ENGINE_API_KEY) out", usage=True)

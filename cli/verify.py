@@ -27,7 +27,7 @@ def verify_command(
 ):
     """Check every file of an engine against its manifest, and the versions; exit 1 naming the first mismatch."""
     from engine.core.artifacts import check_format
-    from engine.core.engine_config import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, EngineConfig
+    from engine.core.engine_format import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, EngineConfig
     from engine.core.manifest import first_mismatch
     from engine.core.serde import from_json, read_json
     from engine.runtime.engine_dir import REBUILD, load_engine_config

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, TypeVar
 
-from .config import GenerationDefaults, Mapping, ModelConfig, QuantConfig
 from .errors import EngineError
 from .manifest import Manifest, check_contents, digest_file, scan
+from .model_config import GenerationDefaults, Mapping, ModelConfig, QuantConfig
 from .serde import from_json, read_json, write_json
 
 T = TypeVar("T")

@@ -4,8 +4,8 @@ Plain integers only (no torch), so the runtime can use it; core/sharding.py slic
 """
 from __future__ import annotations
 
-from .config import ModelConfig
 from .errors import EngineError
+from .model_config import ModelConfig
 
 
 def valid_tp_sizes(model: ModelConfig) -> list[int]:

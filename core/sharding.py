@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
 from .errors import EngineError
+from .model_config import ModelConfig
 from .parallel import kv_heads_per_rank, padded_vocab_size
 from .tensors import split_kind, split_name
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 from .parallel import kv_heads_per_rank, padded_vocab_size
 
 # logical suffix (without ".weight"/".bias") -> how tensor parallelism splits it; absent means replicated

@@ -4,7 +4,7 @@ Pool layout (one pair per layer; slot = block_id * tokens_per_block + offset in 
 
     kcache / vcache  [num_slots, kv_heads*hd]     row = one token's K (or V), all KV heads
 
-A step packs T tokens of B sequences (core/engine_config.py has the exact index semantics):
+A step packs T tokens of B sequences (core/engine_format.py has the exact index semantics):
 
     q [T, heads*hd] ─Gather(q_index [B, Qmax])─▶ Q [B, Qmax, heads*hd] ─┐
     kcache ─Gather(kv_slots [B, Lmax])─▶ K [B, Lmax, kv*hd] ─────────────┼─▶ attention(mask [B, 1, Qmax, Lmax])
@@ -50,10 +50,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
 
 from . import e4m3, quant_matmul
+from .graph import ENGINE_DOMAIN, Graph, Scope
 
 # Masked scores are replaced (not offset) by this: finite, so an all-masked padded row softmaxes to a uniform
 # average instead of NaN, and far below any real score, so exp() of it is exactly 0 beside a visible key.

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph
 from engine.plugins import native
 from engine.plugins.quant_matmul import LANES, SUB, to_bfloat16
+
+from .graph import ENGINE_DOMAIN, Graph
 
 CHUNK = SUB   # K values per B tile
 

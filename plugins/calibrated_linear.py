@@ -36,10 +36,10 @@ import ml_dtypes
 import numpy as np
 import onnx
 
-from engine.builder.graph import Graph
 from engine.quantization.calibrated import CalibratedWeight, pack_int4
 from engine.quantization.weight_only import QuantizedWeight
 
+from .graph import Graph
 from .linear import _add_bias, bias_name_for, quantized_gather, quantized_linear
 
 
@@ -58,10 +58,13 @@ def _place(g: Graph, w: CalibratedWeight, stem: str, weight_name: str) -> tuple[
     return values, scales, zero
 
 
-def _quantize_per_token(g: Graph, op, x: str) -> tuple[str, str, str, str]:
+def _quantize_per_token(g: Graph, op, x: str, token_amax=None) -> tuple[str, str, str, str]:
     """x [T, K] -> (uint8 round(x / s) + 128 [T, K], s [T, 1], s [T], zero points [T] = 128): symmetric, s = amax / 127
-    of each row (a row of zeros gets a tiny scale and quantizes to 128)."""
+    of each row (a row of zeros gets a tiny scale and quantizes to 128). `token_amax(amax, name)`: x is this rank's
+    slice of each token (a row-parallel projection at tp > 1), and the hook makes its amax the whole token's."""
     amax = op("ReduceMax", [op("Abs", [x]), g.const([-1])], keepdims=1)
+    if token_amax is not None:
+        amax = token_amax(amax, op.prefix)
     row_scale = op("Mul", [op("Max", [amax, g.const(1e-30, np.float32)]), g.const(1 / 127, np.float32)])
     flat = op("Reshape", [row_scale, g.const([-1])])
     row_zero = op("Expand", [g.const(128, np.uint8), op("Shape", [flat])])
@@ -70,9 +73,10 @@ def _quantize_per_token(g: Graph, op, x: str) -> tuple[str, str, str, str]:
 
 def calibrated_linear(g: Graph, x: str, w: CalibratedWeight, bias: np.ndarray | None, *, name: str,
                       weight_name: str, bias_name: str | None = None, plugin: bool = True,
-                      accuracy_level: int = 4, shared: bool = False, kernel: bool = False) -> str:
+                      accuracy_level: int = 4, shared: bool = False, kernel: bool = False, token_amax=None) -> str:
     """x (* prequant) @ dequantize(w)^T (+ bias), lowered as the module docstring draws. `shared`: the table is
-    already placed by calibrated_gather (a tied embedding), so its initializers are referenced, not added again."""
+    already placed by calibrated_gather (a tied embedding), so its initializers are referenced, not added again.
+    `token_amax`: int8_sq's per-token amax across ranks (see _quantize_per_token)."""
     stem = weight_name[: -len(".weight")]
     op = g.scope(name)
     bias_name = bias_name or bias_name_for(weight_name)
@@ -88,7 +92,7 @@ def calibrated_linear(g: Graph, x: str, w: CalibratedWeight, bias: np.ndarray | 
     else:
         values, scales, zero = _place(g, w, stem, weight_name)
     if w.mode == "int8_sq":
-        xq, row_scale, flat_scale, row_zero = _quantize_per_token(g, op, x)
+        xq, row_scale, flat_scale, row_zero = _quantize_per_token(g, op, x, token_amax)
         if plugin:
             acc = op("MatMulInteger", [xq, values, g.const(128, np.uint8), zero])
             y = op("Mul", [op("Mul", [op("Cast", [acc], to=onnx.TensorProto.FLOAT), row_scale]), scales])

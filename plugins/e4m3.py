@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
+from .graph import ENGINE_DOMAIN, Graph, Scope
 
 # the value of every code; the two NaN codes (0x7F, 0xFF) are never written (QuantizeLinear saturates) and read as 0
 VALUES = np.nan_to_num(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32), nan=0.0)

@@ -23,11 +23,12 @@ import math
 import numpy as np
 from onnx import helper
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
-from engine.core.config import ACTIVATIONS
 from engine.core.errors import EngineError
+from engine.core.model_config import ACTIVATIONS
 from engine.plugins import quant_matmul
 from engine.plugins.linear import float_matmul
+
+from .graph import ENGINE_DOMAIN, Graph, Scope
 
 
 def gated_mlp(g: Graph, x: str, gate_up: np.ndarray, down: np.ndarray, activation: str, *, name: str,

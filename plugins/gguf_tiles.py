@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
 from engine.quantization.gguf_blocks import Decoded, decode, dequantize
 from engine.quantization.gguf_tensor import GGUFTensor
 
+from .graph import ENGINE_DOMAIN, Graph, Scope
 from .linear import _add_bias, bias_name_for
 from .quant_matmul import HEADER, LANES, SUB, per_column, sub_block_bytes
 

@@ -45,10 +45,11 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from engine.builder.graph import ENGINE_DOMAIN, MS_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
 from engine.plugins import quant_matmul
 from engine.quantization.weight_only import QuantizedWeight, WeightOnlyScheme, quantize, signed_values
+
+from .graph import ENGINE_DOMAIN, MS_DOMAIN, Graph, Scope
 
 
 def _stem(weight_name: str) -> str:

@@ -9,7 +9,9 @@
     THREADS_ENTRY            the session config entry that gives the kernels their own thread pool
 
 -march=native because the library is compiled on the machine that runs it, like the engine itself
-(builder/onnxruntime_backend.py: an engine is built on the kind of machine that runs it).
+(builder/onnxruntime_backend.py: an engine is built on the kind of machine that runs it). The kernels include ONNX
+Runtime's C API header from kernels/third_party/onnxruntime/ (vendored at the version its README gives), by a path
+relative to kernels/: no include flag, and the digest covers it like every other file under kernels/.
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ def compiler() -> str:
 
 def _digest(cxx: str) -> str:
     h = hashlib.sha256()
-    for path in sorted(KERNELS.iterdir()):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(p for p in KERNELS.rglob("*") if p.is_file()):
+        h.update(path.relative_to(KERNELS).as_posix().encode() + b"\0" + path.read_bytes())
     h.update(" ".join([cxx, *FLAGS, *LINK_FLAGS, platform.machine(), _cpu_flags()]).encode())
     return h.hexdigest()[:16]
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.plugins import native
 from engine.quantization.weight_only import QuantizedWeight, dequantize, unpack
+
+from .graph import ENGINE_DOMAIN, Graph, Scope
 
 BF16_ROWS = 64   # calls of this many rows or more take the bfloat16 tiles where the CPU has AMX-BF16 (kBf16Rows)
 LANES = 16  # columns per tile
@@ -202,22 +203,9 @@ def reference(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
 
 
 def to_bfloat16(a: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bfloat16 (nearest, ties even), as float32."""
+    """float32 values rounded to bfloat16 (nearest, ties even), as float32; a NaN stays a NaN, made quiet, as the
+    kernels' own rounding keeps it (kernels/bf16_matmul.cc): the rounding carry would turn some into infinity."""
     bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    rounded = np.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits | 0x400000) & 0xFFFF0000, rounded)
     return rounded.astype(np.uint32).view(np.float32)
-
-
-def reference_bf16(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
-    """What QuantMatMul computes for a call of many rows on AMX-BF16 (kernels/quant_bf16.h): the weights it stores
-    dequantized in float32 (d * q + m, or d * (q - zero_point)) and the activations, each rounded to bfloat16, their
-    products summed in float64."""
-    n, k = q.shape
-    values, d, m = unpack_blocks(pack(q), n, q.bits, q.group_size, q.offsets is not None)
-    values = values.astype(np.float64).reshape(n, -1, q.group_size)
-    if m is None:
-        w = (values - (1 << (q.bits - 1))) * d[:, :, None]
-    else:
-        w = values * d[:, :, None] + m[:, :, None]
-    w = to_bfloat16(w.reshape(n, k).astype(np.float32)).astype(np.float64)
-    return (to_bfloat16(x).astype(np.float64) @ w.T).astype(np.float32)

@@ -10,7 +10,7 @@ Gemma's (1 + w) offset is folded into `weight` by the caller. The same op serves
 Lowerings: `plugin=False` spells the formula in standard ops (Mul, ReduceMean, Add, Sqrt, Div, Mul);
 `plugin=True` is the standard opset-23 RMSNormalization (one ORT kernel, 2x the reference; as fast as ORT's
 contrib SimplifiedLayerNormalization and, unlike it, a standard op other backends parse). With the residual add
-it is Add + RMSNormalization (ORT's fused SkipSimplifiedLayerNormalization measured slower: bench/plugins.py), or
+it is Add + RMSNormalization (ORT's fused SkipSimplifiedLayerNormalization measured slower: bench/plugin_lowerings.py), or
 with `kernel=True` the engine's AddRMSNorm (plugins/kernels/add_rms_norm.cc): one node instead of two; and where x
 is the output of the engine's QuantMatMul that nothing else reads (a quantized layer's o_proj and down_proj), no
 node at all: that QuantMatMul becomes QuantMatMulAddRMSNorm, which adds and normalizes its own output (the same
@@ -21,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from engine.builder.graph import ENGINE_DOMAIN, Graph, Scope
 from engine.core.errors import EngineError
 from engine.plugins import quant_matmul
+
+from .graph import ENGINE_DOMAIN, Graph, Scope
 
 
 def rms_norm(g: Graph, x: str, weight: np.ndarray, eps: float, *, name: str, weight_name: str,
@@ -54,7 +55,7 @@ def add_rms_norm(g: Graph, x: str, residual: str, weight: np.ndarray, eps: float
         normed, total = op("AddRMSNorm", [x, residual, w], outputs=2, domain=ENGINE_DOMAIN, epsilon=float(eps))
         return normed, total
     # ORT's fused com.microsoft SkipSimplifiedLayerNormalization measured 1.4-1.7x slower than Add followed by
-    # RMSNormalization on its CPU provider (bench/plugins.py), so the plugin is the two-kernel form.
+    # RMSNormalization on its CPU provider (bench/plugin_lowerings.py), so the plugin is the two-kernel form.
     total = op("Add", [x, residual])
     return _norm(g, op, total, w, eps, plugin), total
 

@@ -7,7 +7,7 @@
 layers); `rotary` applies them. Positions index the tables, so a packed batch may mix sequences freely.
 Lowerings: `plugin=False` spells the formula in standard ops; `plugin=True` is one standard opset-23
 RotaryEmbedding node on the [T, 1, heads*hd] view with position_ids [T, 1] (3-5x the reference; ORT's contrib
-com.microsoft RotaryEmbedding measured the same, so the standard op wins: bench/plugins.py).
+com.microsoft RotaryEmbedding measured the same, so the standard op wins: bench/plugin_lowerings.py).
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import math
 
 import numpy as np
 
-from engine.builder.graph import Graph
-from engine.core.config import RopeConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import RopeConfig
+
+from .graph import Graph
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> np.ndarray:

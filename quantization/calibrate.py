@@ -36,8 +36,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from engine.core.config import ModelConfig, QuantConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import ModelConfig, QuantConfig
 
 from .calibrated import CALIBRATED, CalibratedWeight, quantize_weight
 

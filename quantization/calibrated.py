@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from engine.core.config import ModelConfig
+from engine.core.model_config import ModelConfig
 from engine.core.sharding import PARTS, shard
 from engine.core.tensors import split_name
 

@@ -25,8 +25,8 @@ from typing import Mapping
 
 import numpy as np
 
-from engine.core.config import ModelConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import ModelConfig
 
 from .calibrate import CalibrationOptions, Sampler
 

@@ -13,7 +13,8 @@
     w4a8_awq, nvfp4    named, refused until implemented
 The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
 Calibrated modes (quantization/calibrate.py) calibrate the whole model once; a tp > 1 build shards the scales with
-the weights (quantization/calibrated.shard_calibrated). int8_sq builds tp 1 engines on onnxruntime only (INT8_SQ_TP).
+the weights (quantization/calibrated.shard_calibrated); int8_sq's per-token activation scale takes the max over the
+ranks (core/engine_format.segment_reduces).
 
 Group size of int8_wo: 32, or the largest supported group below it that divides every quantized weight's in
 features. TensorRT-LLM's int8_wo is per-channel (one scale per output row); MatMulNBits takes block sizes 16..256
@@ -40,8 +41,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.core.config import DTYPES, ModelConfig, QuantConfig, parse_dtype
 from engine.core.errors import EngineError
+from engine.core.model_config import DTYPES, ModelConfig, QuantConfig, parse_dtype
 from engine.plugins import bf16_matmul
 
 from .calibrated import CALIBRATED
@@ -62,12 +63,6 @@ LM_HEAD_DTYPES = ("float32", "bfloat16", "int8")
 INT8_HEAD_GROUP = 32   # an int8 lm_head's blocks: llama.cpp's Q8_0 (weight_only.quantize_q8_0)
 # the blockers' message for --lm-head-dtype bfloat16 / int8 beside --quantize-lm-head
 _BOTH_HEAD_FLAGS = " and --quantize-lm-head both set lm_head's precision; pass one of them"
-# Why int8_sq is refused at tp > 1: its activation scales are per token, and the input of a row-parallel projection
-# (attention.dense, mlp.down) is split by tp, so each rank would scale its own slice of a token (TensorRT-LLM does
-# so): the tiny models' logits then differ from tp 1's by 0.5% RMS, half the mode's whole error, not float
-# reassociation. Matching tp 1 needs the max of the per-token amax across ranks, an all-reduce the tp runtime lacks.
-INT8_SQ_TP = ("its activations are quantized with one scale per token, and at attention.dense and mlp.down each rank "
-              "holds only a slice of the token, so a tp > 1 engine would round differently from the tp 1 one")
 
 
 def split_dtype(name: str) -> tuple[str, str | None]:
@@ -138,11 +133,7 @@ def _resolve_gguf(quant: QuantConfig, tp: int) -> QuantConfig:
 
 
 def _resolve_calibrated(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
-    """int8_sq / fp8 take no group size nor accuracy level; int4_awq takes both (MatMulNBits runs it). int8_sq is
-    tp 1 only: see INT8_SQ_TP."""
-    if quant.mode == "int8_sq" and tp != 1:
-        raise EngineError(f"--dtype int8_sq builds tp 1 engines only (--tp {tp}): {INT8_SQ_TP}; build int8_sq with "
-                          f"--tp 1, or --dtype fp8 or int4_awq at --tp {tp}", usage=True)
+    """int8_sq / fp8 take no group size nor accuracy level; int4_awq takes both (MatMulNBits runs it)."""
     if quant.mode != "int4_awq":
         for flag, value in (("--group-size", quant.group_size), ("--quant-accuracy-level", quant.accuracy_level)):
             if value is not None:

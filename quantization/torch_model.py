@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.core.config import ModelConfig
+from engine.core.model_config import ModelConfig
 from engine.plugins.rotary import rotary_tables
 
 

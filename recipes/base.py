@@ -11,8 +11,8 @@ from typing import ClassVar, Iterable
 
 import torch
 
-from engine.core.config import ROPE_TYPES, GenerationDefaults, ModelConfig, RopeConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import ROPE_TYPES, GenerationDefaults, ModelConfig, RopeConfig
 
 # HF hidden_act -> ours. Every entry is the same function in transformers' ACT2FN, not an approximation of it.
 _HF_ACTIVATIONS = {

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 from engine.core.artifacts import (CheckpointConfig, atomic_output_dir, copy_tokenizer_files, rank_file,
                                    save_sealed)
-from engine.core.config import Mapping, parse_dtype
 from engine.core.errors import EngineError
+from engine.core.model_config import Mapping, parse_dtype
 from engine.core.parallel import check_tp
 from engine.core.sharding import PACKED, Packer, shard
 from engine.core.tensors import logical_shapes, split_name

@@ -18,7 +18,7 @@ weight dtype, scaling = query_pre_attn_scalar ** -0.5, gelu_pytorch_tanh, tied e
 """
 from __future__ import annotations
 
-from engine.core.config import RopeConfig
+from engine.core.model_config import RopeConfig
 
 from .gemma2 import Gemma2Recipe
 

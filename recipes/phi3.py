@@ -21,8 +21,8 @@ from typing import Iterable
 
 import torch
 
-from engine.core.config import ModelConfig, RopeConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import ModelConfig, RopeConfig
 from engine.core.sharding import PARTS
 from engine.core.tensors import split_name
 

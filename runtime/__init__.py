@@ -5,7 +5,9 @@ continuous-batching scheduler) and the Python API.
     outputs = LLM("engine_dir").generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
 It reads only an engine directory; it never imports recipes/, builder/ or transformers, and imports torch only to
-run a tensor-parallel engine (runtime/tp/, torch.distributed) or a TensorRT one.
+run a tensor-parallel engine (runtime/tp/, torch.distributed) or a TensorRT one. Two clients of the API live in
+sub-packages of their own: server/ (`engine serve`, the only code that imports the web stack) and benchmark/
+(`engine bench`); nothing else in runtime/ imports them.
 """
 from .llm import LLM
 from .outputs import EngineStats, RequestMetrics, RequestOutput

@@ -20,11 +20,11 @@ from engine.core.errors import EngineError
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .outputs import EngineStats, RequestMetrics, RequestOutput
-from .request_state import SequenceState, resumable
 from .sampler import SamplingRow, sample
 from .sampling_params import Logprob
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import FinishReason, Sequence
+from .sequence_state import SequenceState, resumable
 from .step_inputs import SeqChunk
 from .tokenizer import Tokenizer
 
@@ -77,7 +77,7 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def _replay(self, req: _Request) -> None:
-        """A resumed sequence (request_state.py) arrives with generated tokens: feed them to its detokenizer as
+        """A resumed sequence (sequence_state.py) arrives with generated tokens: feed them to its detokenizer as
         _check_stop did, one at a time (none of them stopped it), so its text and held-back text are as before."""
         seq = req.seq
         for k, tok in enumerate(seq.output_token_ids):

@@ -15,7 +15,7 @@ from typing import Iterator
 
 from engine.core import VERSION
 from engine.core.artifacts import check_format
-from engine.core.engine_config import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, EngineConfig, rank_files
+from engine.core.engine_format import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, EngineConfig, rank_files
 from engine.core.errors import EngineError
 from engine.core.manifest import check_contents, check_sizes
 from engine.core.serde import from_json, read_json
@@ -66,7 +66,8 @@ def load_engine_config(engine_dir: Path) -> EngineConfig:
         raise EngineError(f"{engine_dir} was built by engine {config.toolchain_version or '(unknown)'}, this is "
                           f"engine {ours}; {rebuild}")
     for rank in range(config.mapping.world_size):
-        for name in rank_files(rank, backend, config.mapping.tp_size, config.model.num_layers):
+        for name in rank_files(rank, backend, config.mapping.tp_size, config.model.num_layers,
+                               config.quantization.mode):
             if not (engine_dir / name).is_file():
                 raise EngineError(f"{engine_dir} lacks {name} of its {config.mapping.world_size} ranks; "
                                   f"the engine is incomplete: {rebuild}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.engine_config import EngineConfig
+from engine.core.engine_format import EngineConfig
 from engine.core.errors import EngineError
 
 DEFAULT_KV_CACHE_MEM_FRACTION = 0.5

@@ -5,7 +5,7 @@
     async for out in llm.generate_async("Hello", params): print(out.delta_text, end="")
     LLM("engine_dir", scheduling_policy="priority").generate_async(prompt, params, request_id="a", priority=-1)
     llm.stats()    # running / waiting requests, KV usage, preemptions, prefix-cache queries and hits
-    states = llm.snapshot(); llm2.resume_async(states[0])   # checkpoint / resume (request_state.py)
+    states = llm.snapshot(); llm2.resume_async(states[0])   # checkpoint / resume (sequence_state.py)
 
 The engine core is single-threaded. Sync calls (generate, chat, stream) drive it in the calling thread; the
 async API starts one background engine thread, and from then on every call (sync ones too) submits requests to
@@ -38,8 +38,8 @@ from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 from .request_limits import check_request
 from .scheduler import DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES, SchedulerConfig
-from .request_state import SequenceState
 from .sequence import Sequence
+from .sequence_state import SequenceState
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine.runtime")
@@ -62,7 +62,7 @@ class LLM:
     max_seq_len that fits). `scheduling_policy` "fcfs" (arrival order; every priority must be 0) or "priority"
     (lower `priority` first, ties by arrival). `enable_prefix_caching` (default on) shares the KV blocks of common
     prompt prefixes. `max_prefill_chunk_with_decodes` caps a prefill chunk in a step that also runs decodes
-    (None: no cap), so that a long prompt does not slow every decode of its steps (bench/scheduler.py measures
+    (None: no cap), so that a long prompt does not slow every decode of its steps (bench/scheduler_policies.py measures
     the trade-off). `max_num_tokens` / `max_batch_size`: the per-step token budget and sequence count, at most
     (and by default) the engine's build limits. `stream_interval` N: a request reports its first token, then every
     N-th and its finish, each output's delta holding the tokens since the last (engine_core.py; default 1)."""
@@ -236,7 +236,7 @@ class LLM:
             yield out
 
     def snapshot(self, timeout: float = 60.0) -> list[SequenceState]:
-        """The resumable state (request_state.py) of every request in flight, taken between two engine steps."""
+        """The resumable state (sequence_state.py) of every request in flight, taken between two engine steps."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             threaded = self._thread is not None

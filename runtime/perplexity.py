@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.core.engine_config import LOGITS, LOGITS_INDICES, engine_file, kcache_name, vcache_name
+from engine.core.engine_format import LOGITS, LOGITS_INDICES, engine_file, kcache_name, vcache_name
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from engine.core.engine_config import EngineConfig
+from engine.core.engine_format import EngineConfig
 from engine.core.errors import EngineError
 
 from .sampling_params import SamplingParams

@@ -41,7 +41,7 @@ from .block_manager import BlockManager
 from .sequence import FinishReason, Sequence, Status
 
 POLICIES = ("fcfs", "priority")
-# The cap on a prefill chunk in a step that also runs decodes, chosen by bench/scheduler.py (part 3) on SmolLM2:
+# The cap on a prefill chunk in a step that also runs decodes, chosen by bench/scheduler_policies.py (part 3) on SmolLM2:
 # eight decodes while a 1,000-token prompt prefills, 1 thread. First measured when a step's attention padded every
 # decode to the longest chunk's queries (no cap: one 33 s step; 128: 3.5 s worst step and the best TTFT). Since
 # step_inputs cuts a long chunk into rows, a cap no longer saves work, it only bounds the step: on the int4 engine

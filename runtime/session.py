@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engine.core.engine_config import (LOGITS, LOGITS_INDICES, EngineConfig, engine_file, kcache_name,
+from engine.core.engine_format import (LOGITS, LOGITS_INDICES, EngineConfig, engine_file, kcache_name,
                                        kcache_out_name, vcache_name, vcache_out_name)
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size

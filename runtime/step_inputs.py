@@ -1,4 +1,4 @@
-"""The graph inputs of one scheduler step, built from the sequences' chunks (see core/engine_config.py).
+"""The graph inputs of one scheduler step, built from the sequences' chunks (see core/engine_format.py).
 
 Packed tokens, no padding: sequence b contributes q_len[b] new tokens at positions [start_pos[b], ctx_len[b]).
 Attention works on *rows*: a row is a run of at most Qmax consecutive new tokens of one sequence, and the
@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.core.engine_config import (ATTN_MASK, ATTN_MASK_SLIDING, INPUT_IDS, KV_SLOTS, LOGITS_INDICES,
+from engine.core.engine_format import (ATTN_MASK, ATTN_MASK_SLIDING, INPUT_IDS, KV_SLOTS, LOGITS_INDICES,
                                        OUT_INDEX, POSITIONS, Q_INDEX, SLOT_MAPPING, EngineConfig)
 from engine.core.errors import EngineError
 

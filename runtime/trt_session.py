@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.core.engine_config import (LOGITS, EngineConfig, engine_file, kcache_name, kcache_out_name,
+from engine.core.engine_format import (LOGITS, EngineConfig, engine_file, kcache_name, kcache_out_name,
                                        vcache_name, vcache_out_name)
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank

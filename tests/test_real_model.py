@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.builder.build import build_engine
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

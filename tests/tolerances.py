@@ -13,6 +13,11 @@ TOLERANCES = {
     # differ in float32 summation order (tp=N vs tp=1): one input element rounded the other way moves a logit by
     # |w| * 2^-8 * |x| (tiny models: ~1e-3, measured 1.7e-3 at most)
     "bfloat16_lm_head": {"logits_atol": 5e-3},
+    # int8_sq activations (one int8 scale per token), between two engine runs that differ in float32 summation order
+    # (tp=N vs tp=1, the same scales): an activation that lands within a rounding error of a .5 boundary rounds to
+    # the neighbouring int8 level in one of them and moves the logits by |w| * scale (tiny models: measured 4.3e-3;
+    # usually no element flips and they agree to 1e-7)
+    "int8_activations": {"logits_atol": 1e-2},
 }
 
 

@@ -37,11 +37,10 @@ void compute(void* opaque, OrtKernelContext* context) {
   else parallel_for(kernel.api, context, static_cast<size_t>(x.shape[0]), norm_row, &job);
 }
 
-void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
-  using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
-  Api api(table, info);
+void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
+  Api api(info);
   float epsilon = 0;
-  api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "epsilon", &epsilon);
+  api.check(api->KernelInfoGetAttribute_float(info, "epsilon", &epsilon));
   require(epsilon >= 0, kName, "epsilon must not be negative");
   return new NormKernel{api, epsilon};
 }
@@ -51,6 +50,6 @@ KernelOp kOp = kernel_op(kName, {kFloat, kFloat, kFloat}, kFloat, 2, create_kern
 
 }  // namespace
 
-std::vector<CustomOp*> add_rms_norm_ops() { return {&kOp}; }
+std::vector<OrtCustomOp*> add_rms_norm_ops() { return {&kOp}; }
 
 }  // namespace engine_kernels

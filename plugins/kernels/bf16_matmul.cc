@@ -206,26 +206,25 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
 }
 
-void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather) {
-  using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  Api api(table, info);
+void* create_kernel(const OrtKernelInfo* info, bool gather) {
+  Api api(info);
   int64_t n = 1;  // Bf16Gather reads its sizes from the table
-  if (!gather) api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "N", &n);
+  if (!gather) api.check(api->KernelInfoGetAttribute_int64(info, "N", &n));
   require(n > 0, kName, "N must be positive");
   return new Bf16Kernel{api, n};
 }
 
 KernelOp kOp = kernel_op(
     kName, {kFloat, kUint16}, kFloat, 1,
-    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, false); },
+    [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) { return create_kernel(info, false); },
     compute, destroy_kernel<Bf16Kernel>);
 KernelOp kGatherOp = kernel_op(
     "Bf16Gather", {kUint16, kInt64}, kFloat, 1,
-    [](CustomOp*, const void* table, const OrtKernelInfo* info) { return create_kernel(table, info, true); },
+    [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) { return create_kernel(info, true); },
     gather_compute, destroy_kernel<Bf16Kernel>);
 
 }  // namespace
 
-std::vector<CustomOp*> bf16_matmul_ops() { return {&kOp, &kGatherOp}; }
+std::vector<OrtCustomOp*> bf16_matmul_ops() { return {&kOp, &kGatherOp}; }
 
 }  // namespace engine_kernels

@@ -122,11 +122,10 @@ void compute(void* opaque, OrtKernelContext* context) {
   parallel_for(kernel.api, context, static_cast<size_t>(row_groups * job.chunks), offsets_item, &job);
 }
 
-void* create_kernel(CustomOp*, const void* table, const OrtKernelInfo* info) {
-  using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  Api api(table, info);
+void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
+  Api api(info);
   int64_t group = 0;
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "group_size", &group);
+  api.check(api->KernelInfoGetAttribute_int64(info, "group_size", &group));
   require(group > 0, kName, "group_size must be positive");
   return new OffsetsKernel{api, group};
 }
@@ -136,6 +135,6 @@ KernelOp kOp = kernel_op(kName, {kFloat, kFloat, kFloat}, kFloat, 1, create_kern
 
 }  // namespace
 
-std::vector<CustomOp*> block_offsets_ops() { return {&kOp}; }
+std::vector<OrtCustomOp*> block_offsets_ops() { return {&kOp}; }
 
 }  // namespace engine_kernels

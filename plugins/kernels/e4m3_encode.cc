@@ -40,6 +40,6 @@ KernelOp kOp = simple_op("E4m3Encode", kFloat, 2, kUint8, compute);
 
 }  // namespace
 
-std::vector<CustomOp*> e4m3_encode_ops() { return {&kOp}; }
+std::vector<OrtCustomOp*> e4m3_encode_ops() { return {&kOp}; }
 
 }  // namespace engine_kernels

@@ -1,8 +1,12 @@
-// The slice of ONNX Runtime's C ABI the engine's kernels use (plugins/kernels/*.cc).
+// The slice of ONNX Runtime's C API the engine's kernels use (plugins/kernels/*.cc), over ORT's own header, vendored
+// at 1.24.1 in third_party/onnxruntime/ (its README says why that version).
 //
-// ORT is reached through the function table OrtGetApiBase()->GetApi(1) returns: version 1 of the table and of
-// OrtCustomOp, whose layouts every later ORT keeps (the table only grows), so no ORT header is needed. The slot
-// numbers below are positions in that table.
+// RegisterCustomOps (register.cc) asks OrtGetApiBase()->GetApi for two versions of the OrtApi table:
+//   kMinApi          22 (ORT 1.22; pyproject asks 1.23 for opset 23 graphs)  required; every call goes through it
+//   ORT_API_VERSION  24 (ORT 1.24, the header's)             null before 1.24 (g_api24): the own pool's config entry
+//                                                            and the tensor shape read in place
+// The table only grows, so the header's names hold for every runtime >= 1.22; a member the header says came after
+// version 22 is read only from g_api24.
 #pragma once
 
 #include <cstddef>
@@ -14,52 +18,27 @@
 
 #include "spin_pool.h"
 #include "step_trace.h"
+#include "third_party/onnxruntime/onnxruntime_c_api.h"
+
+static_assert(ORT_API_VERSION == 24, "g_api24 is the table of the vendored header's version");
 
 namespace engine_kernels {
 
-struct OrtStatus;
-struct OrtValue;
-struct OrtKernelContext;
-struct OrtKernelInfo;
-struct OrtTypeShape;
-struct OrtSessionOptions;
-struct OrtCustomOpDomain;
-struct OrtKeyValuePairs;
+constexpr uint32_t kMinApi = 22;
 
-// Slots of the OrtApi function table used here (version 1 unless noted).
-enum Slot : int {
-  kGetErrorMessage = 2,
-  kCreateCustomOpDomain = 26,
-  kCustomOpDomainAdd = 27,
-  kAddCustomOpDomain = 28,
-  kGetTensorMutableData = 51,
-  kGetDimensionsCount = 61,
-  kGetDimensions = 62,
-  kGetTensorTypeAndShape = 65,
-  kKernelInfoGetAttributeFloat = 85,
-  kKernelInfoGetAttributeInt64 = 86,
-  kKernelContextGetInput = 90,
-  kKernelContextGetOutput = 91,
-  kReleaseStatus = 93,
-  kReleaseTypeShape = 99,
-  kKernelContextParallelFor = 274,    // since version 17 (ORT 1.17)
-  kGetKeyValue = 297,                 // since version 22 (ORT 1.22)
-  kReleaseKeyValuePairs = 300,        // since version 22
-  kKernelInfoGetConfigEntries = 391,  // since version 24 (ORT 1.24)
-  kGetTensorElementTypeAndShapeDataReference = 414,  // since version 24: the last slot of that table
-};
+// The element types the ops declare.
+constexpr ONNXTensorElementDataType kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr ONNXTensorElementDataType kUint8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+constexpr ONNXTensorElementDataType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+constexpr ONNXTensorElementDataType kUint16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16;
+constexpr ONNXTensorElementDataType kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+constexpr ONNXTensorElementDataType kBool = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 
-// ONNXTensorElementDataType values.
-enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kUint16 = 4, kInt64 = 7, kBool = 9, kFloat16 = 10 };
-
-struct OrtApiBase {
-  const void* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)();
-};
-
-// The OrtApi table again where it has KernelInfo_GetConfigEntries and GetTensorElementTypeAndShapeDataReference
-// (version 24, ORT 1.24), set by RegisterCustomOps.
-inline void* const* g_api24 = nullptr;
+// The tables RegisterCustomOps got. The kernels use these, not the one ORT hands CreateKernel: that is the table of
+// the op's version (1, custom_op_base), which need not have KernelContext_ParallelFor (version 17).
+inline const OrtApi* g_api = nullptr;
+inline const OrtApi* g_api24 = nullptr;
 
 // The session config entry runtime/session.py sets on engines whose EngineConfig.thread_pool is "engine": how many
 // threads the kernels' own pool has (spin_pool.h; ORT's intra-op pool then has one). Absent, or before ORT 1.24,
@@ -69,47 +48,41 @@ constexpr const char* kThreadsEntry = "engine.kernel_threads";
 class Api {
  public:
   // `info`: the kernel's, whose session config says which pool its parallel_for calls use
-  Api(const void* table, const OrtKernelInfo* info) : table_(static_cast<void* const*>(table)), pool_(pool_of(info)) {}
+  explicit Api(const OrtKernelInfo* info) : ort_(g_api), pool_(pool_of(info)) {}
 
-  template <typename Fn, typename... Args>
-  void call(Slot slot, Args... args) const {
-    check(reinterpret_cast<Fn>(table_[slot])(args...));
-  }
+  // The members of the version-22 table: api->KernelContext_GetInput(...)
+  const OrtApi* operator->() const { return ort_; }
 
   void check(OrtStatus* status) const {
     if (status == nullptr) return;
-    std::string message = reinterpret_cast<const char* (*)(const OrtStatus*)>(table_[kGetErrorMessage])(status);
-    reinterpret_cast<void (*)(OrtStatus*)>(table_[kReleaseStatus])(status);
+    std::string message = ort_->GetErrorMessage(status);
+    ort_->ReleaseStatus(status);
     throw std::runtime_error(message);
   }
 
   // An attribute the node may lack (engines built before it existed): `fallback` then.
   int64_t optional_int(const OrtKernelInfo* info, const char* name, int64_t fallback) const {
-    using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
     int64_t value = fallback;
-    OrtStatus* status = reinterpret_cast<GetInt>(table_[kKernelInfoGetAttributeInt64])(info, name, &value);
+    OrtStatus* status = ort_->KernelInfoGetAttribute_int64(info, name, &value);
     if (status == nullptr) return value;
-    reinterpret_cast<void (*)(OrtStatus*)>(table_[kReleaseStatus])(status);
+    ort_->ReleaseStatus(status);
     return fallback;
   }
 
-  void* const* table() const { return table_; }
   SpinPool* pool() const { return pool_; }
 
  private:
   SpinPool* pool_of(const OrtKernelInfo* info) const {
     if (g_api24 == nullptr) return nullptr;
-    using GetEntries = OrtStatus* (*)(const OrtKernelInfo*, OrtKeyValuePairs**);
-    using GetValue = const char* (*)(const OrtKeyValuePairs*, const char*);
     OrtKeyValuePairs* entries = nullptr;
-    check(reinterpret_cast<GetEntries>(g_api24[kKernelInfoGetConfigEntries])(info, &entries));
-    const char* value = reinterpret_cast<GetValue>(g_api24[kGetKeyValue])(entries, kThreadsEntry);
+    check(g_api24->KernelInfo_GetConfigEntries(info, &entries));
+    const char* value = g_api24->GetKeyValue(entries, kThreadsEntry);
     const int threads = value ? std::atoi(value) : 0;
-    reinterpret_cast<void (*)(OrtKeyValuePairs*)>(g_api24[kReleaseKeyValuePairs])(entries);
+    g_api24->ReleaseKeyValuePairs(entries);
     return threads > 1 ? SpinPool::shared(threads) : nullptr;
   }
 
-  void* const* table_;
+  const OrtApi* ort_;
   SpinPool* pool_;
 };
 
@@ -122,65 +95,45 @@ struct Tensor {
 // rather than through a type-and-shape object ORT allocates and frees: one call instead of four, where a SmolLM2
 // decode step reads ~630 inputs with the caches cold from its weight streams (bench/NOTES.md entry 52).
 inline Tensor describe(const Api& api, OrtValue* value) {
-  using GetData = OrtStatus* (*)(OrtValue*, void**);
-  using GetTypeShape = OrtStatus* (*)(const OrtValue*, OrtTypeShape**);
-  using GetCount = OrtStatus* (*)(const OrtTypeShape*, size_t*);
-  using GetDims = OrtStatus* (*)(const OrtTypeShape*, int64_t*, size_t);
-  using GetShapeReference = OrtStatus* (*)(const OrtValue*, int*, const int64_t**, size_t*);
   Tensor t;
-  api.call<GetData>(kGetTensorMutableData, value, &t.data);
+  api.check(api->GetTensorMutableData(value, &t.data));
   if (g_api24 != nullptr) {
-    int type = 0;
+    ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     const int64_t* dims = nullptr;
     size_t rank = 0;
-    api.check(reinterpret_cast<GetShapeReference>(g_api24[kGetTensorElementTypeAndShapeDataReference])(
-        value, &type, &dims, &rank));
+    api.check(g_api24->GetTensorElementTypeAndShapeDataReference(value, &type, &dims, &rank));
     t.shape.assign(dims, dims + rank);
     return t;
   }
-  OrtTypeShape* info = nullptr;
-  api.call<GetTypeShape>(kGetTensorTypeAndShape, static_cast<const OrtValue*>(value), &info);
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  api.check(api->GetTensorTypeAndShape(value, &info));
   size_t rank = 0;
-  api.call<GetCount>(kGetDimensionsCount, static_cast<const OrtTypeShape*>(info), &rank);
+  api.check(api->GetDimensionsCount(info, &rank));
   t.shape.resize(rank);
-  api.call<GetDims>(kGetDimensions, static_cast<const OrtTypeShape*>(info), t.shape.data(), rank);
-  reinterpret_cast<void (*)(OrtTypeShape*)>(api.table()[kReleaseTypeShape])(info);
+  api.check(api->GetDimensions(info, t.shape.data(), rank));
+  api->ReleaseTensorTypeAndShapeInfo(info);
   return t;
 }
 
-// OrtCustomOp: the version-1 fields, plus the two characteristic queries of version 8, which ORT's schema check
-// calls whatever the version (all inputs and outputs here are required: 0).
-struct CustomOp {
-  uint32_t version;
-  void* (*CreateKernel)(CustomOp* op, const void* api, const OrtKernelInfo* info);
-  const char* (*GetName)(CustomOp* op);
-  const char* (*GetExecutionProviderType)(CustomOp* op);
-  int (*GetInputType)(CustomOp* op, size_t index);
-  size_t (*GetInputTypeCount)(CustomOp* op);
-  int (*GetOutputType)(CustomOp* op, size_t index);
-  size_t (*GetOutputTypeCount)(CustomOp* op);
-  void (*KernelCompute)(void* kernel, OrtKernelContext* context);
-  void (*KernelDestroy)(void* kernel);
-  int (*GetInputCharacteristic)(CustomOp* op, size_t index);
-  int (*GetOutputCharacteristic)(CustomOp* op, size_t index);
-};
-
-// The fields every op here shares: version 1, the CPU provider, required inputs and outputs.
-inline CustomOp custom_op_base() {
-  CustomOp op{};
+// The OrtCustomOp members every op here shares: the CPU provider, required inputs and outputs. Version 1: ORT then
+// reads the version-1 members and the two characteristic queries (its schema check calls them whatever the
+// version), and leaves alone the later members a higher version would oblige the op to fill in (GetInputMemoryType
+// from 13, ...).
+inline OrtCustomOp custom_op_base() {
+  OrtCustomOp op{};
   op.version = 1;
-  op.GetExecutionProviderType = [](CustomOp*) -> const char* { return nullptr; };
-  op.GetInputCharacteristic = [](CustomOp*, size_t) { return 0; };
-  op.GetOutputCharacteristic = [](CustomOp*, size_t) { return 0; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
   return op;
 }
 
 // An op of `input_types.size()` inputs and `outputs` outputs of `output_type`, its kernel object made by `create`,
 // run by `compute` and deleted by `destroy` (destroy_kernel<K>).
-struct KernelOp : CustomOp {
+struct KernelOp : OrtCustomOp {
   const char* name;
-  std::vector<int> input_types;
-  int output_type;
+  std::vector<ONNXTensorElementDataType> input_types;
+  ONNXTensorElementDataType output_type;
   size_t outputs;
 };
 
@@ -189,55 +142,51 @@ void destroy_kernel(void* kernel) {
   delete static_cast<K*>(kernel);
 }
 
-inline KernelOp kernel_op(const char* name, std::vector<int> input_types, int output_type, size_t outputs,
-                          void* (*create)(CustomOp*, const void*, const OrtKernelInfo*),
+// OrtCustomOp::CreateKernel (its OrtApi argument unused: g_api)
+using MakeKernel = void* (*)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
+
+inline KernelOp kernel_op(const char* name, std::vector<ONNXTensorElementDataType> input_types,
+                          ONNXTensorElementDataType output_type, size_t outputs, MakeKernel create,
                           void (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
   KernelOp op{custom_op_base(), name, std::move(input_types), output_type, outputs};
   op.CreateKernel = create;
-  op.GetName = [](CustomOp* o) { return static_cast<KernelOp*>(o)->name; };
-  op.GetInputType = [](CustomOp* o, size_t i) { return static_cast<KernelOp*>(o)->input_types[i]; };
-  op.GetInputTypeCount = [](CustomOp* o) { return static_cast<KernelOp*>(o)->input_types.size(); };
-  op.GetOutputType = [](CustomOp* o, size_t) { return static_cast<KernelOp*>(o)->output_type; };
-  op.GetOutputTypeCount = [](CustomOp* o) { return static_cast<KernelOp*>(o)->outputs; };
+  op.GetName = [](const OrtCustomOp* o) { return static_cast<const KernelOp*>(o)->name; };
+  op.GetInputType = [](const OrtCustomOp* o, size_t i) { return static_cast<const KernelOp*>(o)->input_types[i]; };
+  op.GetInputTypeCount = [](const OrtCustomOp* o) { return static_cast<const KernelOp*>(o)->input_types.size(); };
+  op.GetOutputType = [](const OrtCustomOp* o, size_t) { return static_cast<const KernelOp*>(o)->output_type; };
+  op.GetOutputTypeCount = [](const OrtCustomOp* o) { return static_cast<const KernelOp*>(o)->outputs; };
   op.KernelCompute = compute;
   op.KernelDestroy = destroy;
   return op;
 }
 
-// An op whose kernel keeps only the API table (no attributes): `inputs` inputs of `input_type`, one output of
+// An op whose kernel keeps only the Api (no attributes): `inputs` inputs of `input_type`, one output of
 // `output_type`, computed by `compute(Api*, context)`.
-inline KernelOp simple_op(const char* name, int input_type, size_t inputs, int output_type,
+inline KernelOp simple_op(const char* name, ONNXTensorElementDataType input_type, size_t inputs,
+                          ONNXTensorElementDataType output_type,
                           void (*compute)(void* api, OrtKernelContext* context)) {
   return kernel_op(
-      name, std::vector<int>(inputs, input_type), output_type, 1,
-      [](CustomOp*, const void* table, const OrtKernelInfo* info) -> void* { return new Api(table, info); }, compute,
+      name, std::vector<ONNXTensorElementDataType>(inputs, input_type), output_type, 1,
+      [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) -> void* { return new Api(info); }, compute,
       destroy_kernel<Api>);
 }
 
-// KernelContext_ParallelFor of the table GetApi(17) returns, set by RegisterCustomOps (null before ORT 1.17).
-inline void* g_parallel_for = nullptr;
-
-// fn(data, i) for i < items on the kernel's own pool, or ORT's intra-op threads, or one after the other without
-// ParallelFor.
+// fn(data, i) for i < items on the kernel's own pool, or else ORT's intra-op threads.
 inline void parallel_for(const Api& api, OrtKernelContext* context, size_t items, void (*fn)(void*, size_t),
                          void* data) {
   trace(kCallEnter, items);
-  using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
   if (api.pool())
     api.pool()->run(items, fn, data);
-  else if (g_parallel_for)
-    api.check(reinterpret_cast<ParallelFor>(g_parallel_for)(context, fn, items, 0, data));
   else
-    for (size_t i = 0; i < items; ++i) fn(data, i);
+    api.check(api->KernelContext_ParallelFor(context, fn, items, 0, data));
   trace(kCallExit, items);
 }
 
 inline std::vector<Tensor> inputs(const Api& api, OrtKernelContext* context, size_t count) {
-  using GetInput = OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**);
   std::vector<Tensor> in(count);
   for (size_t i = 0; i < count; ++i) {
     const OrtValue* value = nullptr;
-    api.call<GetInput>(kKernelContextGetInput, static_cast<const OrtKernelContext*>(context), i, &value);
+    api.check(api->KernelContext_GetInput(context, i, &value));
     in[i] = describe(api, const_cast<OrtValue*>(value));
   }
   return in;
@@ -246,11 +195,10 @@ inline std::vector<Tensor> inputs(const Api& api, OrtKernelContext* context, siz
 // The data of output `index`, allocated by ORT with `shape` (elements of T, the type the op declares for it).
 template <typename T>
 inline T* output(const Api& api, OrtKernelContext* context, size_t index, const std::vector<int64_t>& shape) {
-  using GetOutput = OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
   OrtValue* value = nullptr;
-  api.call<GetOutput>(kKernelContextGetOutput, context, index, shape.data(), shape.size(), &value);
+  api.check(api->KernelContext_GetOutput(context, index, shape.data(), shape.size(), &value));
   void* data = nullptr;  // its data only: its shape is the one just asked for
-  api.call<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData, value, &data);
+  api.check(api->GetTensorMutableData(value, &data));
   return static_cast<T*>(data);
 }
 
@@ -261,12 +209,12 @@ inline void require(bool ok, const char* op, const char* what) {
 }
 
 // The ops of each kernel file, registered by register.cc.
-std::vector<CustomOp*> paged_attention_ops();
-std::vector<CustomOp*> block_offsets_ops();
-std::vector<CustomOp*> e4m3_encode_ops();
-std::vector<CustomOp*> swiglu_ops();
-std::vector<CustomOp*> quant_matmul_ops();
-std::vector<CustomOp*> bf16_matmul_ops();
-std::vector<CustomOp*> add_rms_norm_ops();
+std::vector<OrtCustomOp*> paged_attention_ops();
+std::vector<OrtCustomOp*> block_offsets_ops();
+std::vector<OrtCustomOp*> e4m3_encode_ops();
+std::vector<OrtCustomOp*> swiglu_ops();
+std::vector<OrtCustomOp*> quant_matmul_ops();
+std::vector<OrtCustomOp*> bf16_matmul_ops();
+std::vector<OrtCustomOp*> add_rms_norm_ops();
 
 }  // namespace engine_kernels

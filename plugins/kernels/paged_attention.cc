@@ -20,7 +20,7 @@
 // Attributes: num_heads, num_kv_heads (int), scale, softcap (float, 0 = none). Only the T selected rows are
 // computed (padded rows of the plain lowering are never selected); a row that sees no key gets zeros (a real token
 // always sees itself). The math is attention_decode.h (tokens one at a time) and attention_tiles.h (rows of several
-// tokens, a prefill's), over attention_math.h; ORT's C ABI, ort_abi.h; registration, register.cc.
+// tokens, a prefill's), over attention_math.h; ORT's C API, ort_abi.h; registration, register.cc.
 #include <type_traits>
 
 #include "attention_decode.h"
@@ -32,12 +32,14 @@ namespace engine_kernels {
 namespace {
 
 constexpr const char* kName = "PagedAttention";
+// In an op's input type table: the pool's type, which depends on the op.
+constexpr ONNXTensorElementDataType kPool = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 
 struct Kernel {
   Api api;
   int64_t heads, kv_heads;
   float scale, softcap;
-  int pool_type;
+  ONNXTensorElementDataType pool_type;
   bool rotary;
   bool quant = false;  // QuantRotaryPagedAttention*: input 0 is x, projected to q|k|v by the last input's weights
   Projection qkv{};
@@ -311,25 +313,23 @@ void compute_rotary(const Kernel& k, OrtKernelContext* context) {
       scale_per_query_head(out + t * s.heads * s.hd, v_scale, s.heads, s.kv_heads, s.hd);
 }
 
-struct PagedAttentionOp : CustomOp {
+struct PagedAttentionOp : OrtCustomOp {
   const char* name;
-  int pool_type;
+  ONNXTensorElementDataType pool_type;
   bool rotary;  // RotaryPagedAttention*
   bool quant;   // QuantRotaryPagedAttention*
 };
 
-void* create_kernel(CustomOp* op, const void* table, const OrtKernelInfo* info) {
-  using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
-  Api api(table, info);
-  const auto* described = static_cast<PagedAttentionOp*>(op);
+void* create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info) {
+  Api api(info);
+  const auto* described = static_cast<const PagedAttentionOp*>(op);
   Kernel kernel{api, 0, 0, 0.0f, 0.0f, described->pool_type, described->rotary};
   kernel.quant = described->quant;
   if (kernel.quant) kernel.qkv = projection_of(api, info, "", true);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_heads", &kernel.heads);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, "num_kv_heads", &kernel.kv_heads);
-  api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "scale", &kernel.scale);
-  api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "softcap", &kernel.softcap);
+  api.check(api->KernelInfoGetAttribute_int64(info, "num_heads", &kernel.heads));
+  api.check(api->KernelInfoGetAttribute_int64(info, "num_kv_heads", &kernel.kv_heads));
+  api.check(api->KernelInfoGetAttribute_float(info, "scale", &kernel.scale));
+  api.check(api->KernelInfoGetAttribute_float(info, "softcap", &kernel.softcap));
   require(kernel.heads > 0 && kernel.kv_heads > 0 && kernel.heads % kernel.kv_heads == 0, kName,
           "num_heads must be a positive multiple of num_kv_heads");
   return new Kernel(kernel);
@@ -349,17 +349,17 @@ void kernel_compute(void* opaque, OrtKernelContext* context) {
   else compute_op<uint8_t>(k, context);
 }
 
-PagedAttentionOp make_op(const char* name, int pool_type) {
+PagedAttentionOp make_op(const char* name, ONNXTensorElementDataType pool_type) {
   PagedAttentionOp op{custom_op_base(), name, pool_type, false, false};
   op.CreateKernel = create_kernel;
-  op.GetName = [](CustomOp* o) { return static_cast<PagedAttentionOp*>(o)->name; };
-  op.GetInputType = [](CustomOp* o, size_t i) {
-    static const int types[7] = {kFloat, 0, 0, kInt64, kInt64, kBool, kInt64};
-    return i == 1 || i == 2 ? static_cast<PagedAttentionOp*>(o)->pool_type : types[i];
+  op.GetName = [](const OrtCustomOp* o) { return static_cast<const PagedAttentionOp*>(o)->name; };
+  op.GetInputType = [](const OrtCustomOp* o, size_t i) {
+    static const ONNXTensorElementDataType types[7] = {kFloat, kPool, kPool, kInt64, kInt64, kBool, kInt64};
+    return i == 1 || i == 2 ? static_cast<const PagedAttentionOp*>(o)->pool_type : types[i];
   };
-  op.GetInputTypeCount = [](CustomOp*) { return size_t{7}; };
-  op.GetOutputType = [](CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetOutputTypeCount = [](CustomOp*) { return size_t{1}; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) { return size_t{7}; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{1}; };
   op.KernelCompute = kernel_compute;
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   return op;
@@ -370,28 +370,30 @@ size_t rotary_inputs(const PagedAttentionOp& op) {
   return (op.pool_type == kInt8 || op.pool_type == kUint8 ? 13u : 11u) + (op.quant ? 1u : 0u);
 }
 
-PagedAttentionOp make_rotary_op(const char* name, int pool_type, bool quant = false) {
+PagedAttentionOp make_rotary_op(const char* name, ONNXTensorElementDataType pool_type, bool quant = false) {
   PagedAttentionOp op = make_op(name, pool_type);
   op.rotary = true;
   op.quant = quant;
-  op.GetInputType = [](CustomOp* o, size_t i) {
-    static const int types[13] = {kFloat, kInt64, kFloat, kFloat, 0, 0, kInt64, kInt64, kInt64, kBool, kInt64,
-                                  kFloat, kFloat};
-    const auto& op = *static_cast<PagedAttentionOp*>(o);
-    if (op.quant && i + 1 == rotary_inputs(op)) return static_cast<int>(kUint8);
+  op.GetInputType = [](const OrtCustomOp* o, size_t i) {
+    static const ONNXTensorElementDataType types[13] = {kFloat, kInt64, kFloat, kFloat, kPool, kPool, kInt64, kInt64,
+                                                        kInt64, kBool, kInt64, kFloat, kFloat};
+    const auto& op = *static_cast<const PagedAttentionOp*>(o);
+    if (op.quant && i + 1 == rotary_inputs(op)) return kUint8;
     return i == 4 || i == 5 ? op.pool_type : types[i];
   };
-  op.GetInputTypeCount = [](CustomOp* o) { return rotary_inputs(*static_cast<PagedAttentionOp*>(o)); };
-  op.GetOutputType = [](CustomOp* o, size_t i) {
-    return i == 0 ? static_cast<int>(kFloat) : static_cast<PagedAttentionOp*>(o)->pool_type;
+  op.GetInputTypeCount = [](const OrtCustomOp* o) { return rotary_inputs(*static_cast<const PagedAttentionOp*>(o)); };
+  op.GetOutputType = [](const OrtCustomOp* o, size_t i) {
+    return i == 0 ? kFloat : static_cast<const PagedAttentionOp*>(o)->pool_type;
   };
-  op.GetOutputTypeCount = [](CustomOp*) { return size_t{3}; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{3}; };
   return op;
 }
 
 // The rotary op whose input 0 is x, projected to q|k|v by QuantMatMul's weights as its last input (uint8; with
 // QuantMatMul's attributes N, bits, group_size, offsets): plugins/attention.py folds the q|k|v projection in.
-PagedAttentionOp make_quant_op(const char* name, int pool_type) { return make_rotary_op(name, pool_type, true); }
+PagedAttentionOp make_quant_op(const char* name, ONNXTensorElementDataType pool_type) {
+  return make_rotary_op(name, pool_type, true);
+}
 
 PagedAttentionOp kOps[12] = {make_op("PagedAttention", kFloat), make_op("PagedAttentionFp16", kFloat16),
                              make_op("PagedAttentionInt8", kInt8), make_op("PagedAttentionFp8", kUint8),
@@ -406,8 +408,8 @@ PagedAttentionOp kOps[12] = {make_op("PagedAttention", kFloat), make_op("PagedAt
 
 }  // namespace
 
-std::vector<CustomOp*> paged_attention_ops() {
-  std::vector<CustomOp*> ops;
+std::vector<OrtCustomOp*> paged_attention_ops() {
+  std::vector<OrtCustomOp*> ops;
   for (PagedAttentionOp& op : kOps) ops.push_back(&op);
   return ops;
 }

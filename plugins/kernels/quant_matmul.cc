@@ -276,12 +276,11 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
 }
 
 Projection projection_of(const Api& api, const OrtKernelInfo* info, const std::string& prefix, bool sized) {
-  using GetInt = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
   int64_t n = 1, bits = 0, group = 0, offsets = 0;
-  if (sized) api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "N").c_str(), &n);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "bits").c_str(), &bits);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "group_size").c_str(), &group);
-  api.call<GetInt>(kKernelInfoGetAttributeInt64, info, (prefix + "offsets").c_str(), &offsets);
+  if (sized) api.check(api->KernelInfoGetAttribute_int64(info, (prefix + "N").c_str(), &n));
+  api.check(api->KernelInfoGetAttribute_int64(info, (prefix + "bits").c_str(), &bits));
+  api.check(api->KernelInfoGetAttribute_int64(info, (prefix + "group_size").c_str(), &group));
+  api.check(api->KernelInfoGetAttribute_int64(info, (prefix + "offsets").c_str(), &offsets));
   const int64_t scales = api.optional_int(info, (prefix + "scales").c_str(), kScalesBlock);
   require(n > 0, kName, "N must be positive");
   require(bits == 4 || bits == 5 || bits == 6 || bits == 8 || bits == kFloatBits, kName,
@@ -411,8 +410,8 @@ void gather_compute(void* opaque, OrtKernelContext* context) {
   parallel_for(kernel.api, context, static_cast<size_t>(tokens), gather_row, &job);
 }
 
-void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather, bool mlp, bool add_norm) {
-  Api api(table, info);
+void* create_kernel(const OrtKernelInfo* info, bool gather, bool mlp, bool add_norm) {
+  Api api(info);
   QuantKernel kernel{api, projection_of(api, info, "", !gather)};
   kernel.mlp = mlp;
   if (mlp) {
@@ -421,17 +420,16 @@ void* create_kernel(const void* table, const OrtKernelInfo* info, bool gather, b
   }
   kernel.add_norm = add_norm;
   if (add_norm) {
-    using GetFloat = OrtStatus* (*)(const OrtKernelInfo*, const char*, float*);
     require(!(mlp ? kernel.down.swiglu : kernel.first.swiglu), kName, "an *AddRMSNorm op's output has no SwiGLU");
-    api.call<GetFloat>(kKernelInfoGetAttributeFloat, info, "epsilon", &kernel.epsilon);
+    api.check(api->KernelInfoGetAttribute_float(info, "epsilon", &kernel.epsilon));
     require(kernel.epsilon >= 0, kName, "epsilon must not be negative");
   }
   return new QuantKernel(kernel);
 }
 
 template <bool Mlp, bool AddNorm>
-void* create_matmul(CustomOp*, const void* table, const OrtKernelInfo* info) {
-  return create_kernel(table, info, false, Mlp, AddNorm);
+void* create_matmul(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
+  return create_kernel(info, false, Mlp, AddNorm);
 }
 
 KernelOp kOp = kernel_op(kName, {kFloat, kUint8}, kFloat, 1, create_matmul<false, false>, compute,
@@ -442,8 +440,8 @@ KernelOp kMlpOp = kernel_op("QuantMLP", {kFloat, kUint8, kUint8}, kFloat, 1, cre
                             destroy_kernel<QuantKernel>);
 KernelOp kMlpNormOp = kernel_op("QuantMLPAddRMSNorm", {kFloat, kUint8, kUint8, kFloat, kFloat}, kFloat, 2,
                                 create_matmul<true, true>, compute, destroy_kernel<QuantKernel>);
-void* create_gather(CustomOp*, const void* table, const OrtKernelInfo* info) {
-  return create_kernel(table, info, true, false, false);
+void* create_gather(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
+  return create_kernel(info, true, false, false);
 }
 
 KernelOp kGatherOp = kernel_op("QuantGather", {kUint8, kInt64}, kFloat, 1, create_gather, gather_compute,
@@ -451,7 +449,7 @@ KernelOp kGatherOp = kernel_op("QuantGather", {kUint8, kInt64}, kFloat, 1, creat
 
 }  // namespace
 
-std::vector<CustomOp*> quant_matmul_ops() { return {&kOp, &kNormOp, &kMlpOp, &kMlpNormOp, &kGatherOp}; }
+std::vector<OrtCustomOp*> quant_matmul_ops() { return {&kOp, &kNormOp, &kMlpOp, &kMlpNormOp, &kGatherOp}; }
 
 }  // namespace engine_kernels
 

@@ -26,6 +26,6 @@ KernelOp kOp = simple_op(kName, kFloat, 1, kFloat, compute);
 
 }  // namespace
 
-std::vector<CustomOp*> swiglu_ops() { return {&kOp}; }
+std::vector<OrtCustomOp*> swiglu_ops() { return {&kOp}; }
 
 }  // namespace engine_kernels

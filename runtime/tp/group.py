@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.core.engine_format import MAX, SUM
 from engine.core.errors import EngineError
 
 from .config import DistributedConfig
@@ -95,9 +96,11 @@ class Group:
         opts.rootRank = 0
         self._wait(self._pg.broadcast([self._torch.from_numpy(array)], opts), "the step broadcast")
 
-    def all_reduce(self, array: np.ndarray) -> None:
-        """Sum `array` over the ranks, in place (a contiguous numpy array or view)."""
-        self._wait(self._pg.allreduce([self._torch.from_numpy(array)]), "an all-reduce")
+    def all_reduce(self, array: np.ndarray, op: str = SUM) -> None:
+        """Sum (or with op "max", the max of) `array` over the ranks, in place (a contiguous numpy array or view)."""
+        opts = self._td.AllreduceOptions()
+        opts.reduceOp = self._td.ReduceOp.MAX if op == MAX else self._td.ReduceOp.SUM
+        self._wait(self._pg.allreduce([self._torch.from_numpy(array)], opts), "an all-reduce")
 
     def gather(self, array: np.ndarray) -> np.ndarray | None:
         """Rank 0: the ranks' arrays stacked [size, *shape]; other ranks: None."""

@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.core.engine_config import EngineConfig
+from engine.core.engine_format import EngineConfig
 from engine.core.errors import EngineError
 
 from ..engine_dir import load_engine_config, verifying_files

@@ -1,4 +1,4 @@
-"""One rank's part of a tp > 1 engine: its segment graphs (core/engine_config.py), their KV pools, one step at a time.
+"""One rank's part of a tp > 1 engine: its segment graphs (core/engine_format.py), their KV pools, one step at a time.
 
     open_shard(...)                           this rank's shard: RankShard, or TrtRankShard (runtime/tp/trt_shard.py)
     RankShard(engine_dir, rank, num_blocks)   one ORT session + IOBinding per segment, created once
@@ -10,7 +10,8 @@
           └─ residual stream (ORT-allocated OrtValue) ─────────────▶ the segment that reads it, no copy
 
 The two all-reduce buffers [max_num_tokens, hidden_size] are numpy arrays allocated once: a segment writes its
-partial sum into a prefix view of one, `reduce` sums it over the ranks in place (torch.from_numpy shares the memory),
+partial sum (or, int8_sq, its per-token amax [T, 1]: core/engine_format.segment_reduces) into a prefix view of one,
+`reduce` sums it (or takes the max) over the ranks in place (torch.from_numpy shares the memory),
 and the next segment reads it from there; they alternate because segment k + 1 reads buffer k while writing k + 1
 (the builder checks that only the next segment reads a partial sum). The KV pools are bound in place as in
 runtime/session.py. This module knows nothing of torch or of how the collective is done.
@@ -23,7 +24,7 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from engine.core.engine_config import LOGITS, EngineConfig, allreduce_name, num_segments, segment_file
+from engine.core.engine_format import LOGITS, SUM, EngineConfig, allreduce_name, segment_file, segment_reduces
 from engine.core.errors import EngineError
 from engine.core.parallel import kv_heads_per_rank
 
@@ -53,8 +54,8 @@ class RankShard:
         so = engine_session_options(config, threads)
         # 2L + 1 sessions run one after the other: a pool spinning after its run would steal the next one's cores.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.segments = [_Segment(engine_dir / segment_file(rank, k), so)
-                         for k in range(num_segments(model.num_layers))]
+        self.reduces = segment_reduces(model.num_layers, config.quantization.mode)
+        self.segments = [_Segment(engine_dir / segment_file(rank, k), so) for k in range(len(self.reduces) + 1)]
 
         kv_size = kv_heads_per_rank(model, tp) * model.head_dim
         slots = num_blocks * build.tokens_per_block
@@ -98,12 +99,13 @@ class RankShard:
     def join(self, store, world_size: int) -> None:
         """Called on every rank once all have loaded; segment shards need no communicator of their own."""
 
-    def run(self, inputs: dict[str, np.ndarray], reduce: Callable[[np.ndarray], None]) -> np.ndarray:
-        """This rank's logits columns [S, vocab_padded / tp] for the step `inputs`; `reduce(array)` sums an
-        array over the ranks in place (every rank calls it at the same points, in the same order)."""
+    def run(self, inputs: dict[str, np.ndarray], reduce: Callable[[np.ndarray, str], None]) -> np.ndarray:
+        """This rank's logits columns [S, vocab_padded / tp] for the step `inputs`; `reduce(array, op)` sums
+        ("sum") or maxes ("max") an array over the ranks in place (every rank calls it at the same points, in the
+        same order)."""
         values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for name, a in inputs.items()}
         tokens = len(inputs["input_ids"])
-        shape = [tokens, self.hidden_size]
+        shapes = [[tokens, self.hidden_size if op == SUM else 1] for op in self.reduces]
         carried: dict[str, ort.OrtValue] = {}
         last = len(self.segments) - 1
         for k, seg in enumerate(self.segments):
@@ -113,10 +115,10 @@ class RankShard:
             for name in self._carried_in[k]:
                 b.bind_ortvalue_input(name, carried[name])
             if k > 0:
-                b.bind_input(allreduce_name(k - 1), "cpu", 0, np.float32, shape,
+                b.bind_input(allreduce_name(k - 1), "cpu", 0, np.float32, shapes[k - 1],
                              self._buffers[(k - 1) % 2].ctypes.data)
             if k < last:
-                b.bind_output(allreduce_name(k), "cpu", 0, np.float32, shape, self._buffers[k % 2].ctypes.data)
+                b.bind_output(allreduce_name(k), "cpu", 0, np.float32, shapes[k], self._buffers[k % 2].ctypes.data)
             for name in self._allocated_out[k]:
                 b.bind_output(name)
             seg.session.run_with_iobinding(b)
@@ -124,7 +126,8 @@ class RankShard:
             for name in self._allocated_out[k]:
                 carried[name] = outs[seg.index[name]]
             if k < last:
-                reduce(self._buffers[k % 2][:tokens])
+                width = shapes[k][1]
+                reduce(self._buffers[k % 2].reshape(-1)[:tokens * width], self.reduces[k])
             else:
                 return outs[seg.index[LOGITS]].numpy()
         raise AssertionError("unreachable")

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.core.engine_config import EngineConfig
+from engine.core.engine_format import EngineConfig
 from engine.core.errors import EngineError
 
 NCCL_ID = "engine/nccl_unique_id"
@@ -69,7 +69,7 @@ class TrtRankShard:
         self._communicator = nccl.Communicator.init(nranks=world_size, rank=self.rank, unique_id=unique_id)
         self.session.set_communicator(communicator_capsule(self._communicator.ptr))
 
-    def run(self, inputs: dict[str, np.ndarray], reduce: Callable[[np.ndarray], None]) -> np.ndarray:
+    def run(self, inputs: dict[str, np.ndarray], reduce: Callable[[np.ndarray, str], None]) -> np.ndarray:
         if self._communicator is None:
             raise EngineError(f"tensor-parallel rank {self.rank} ran a step before joining the NCCL communicator")
         return self.session.run_inputs(inputs)

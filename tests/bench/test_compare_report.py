@@ -1,12 +1,7 @@
 """bench/compare_report.py: the goal arithmetic and the report of the side-by-side benchmark (no timing here)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import compare_report as report  # noqa: E402
+from bench import compare_report as report
 
 SMOLLM2 = {"hidden_size": 576, "head_dim": 64, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536,
            "num_layers": 30, "vocab_size": 49152}
@@ -22,11 +17,11 @@ def result(records):
     return {"settings": {"threads": 2, "prompt_len": 512, "new_tokens": 128, "repeats": 3, "busy_load": 2.5},
             "machine": {"cpu": "x"}, "versions": {"engine": "0.1.0", "llama-cpp-python": None},
             "model": SMOLLM2, "records": records, "started": "a", "finished": "b", "wall_s": 1.0,
-            "command": "python bench/compare.py"}
+            "command": "python -m bench.compare"}
 
 
 def test_weight_bytes_per_token_matches_the_anchor_count():
-    # /work/shared/anchors/README.md: 134.48 M parameters streamed per token (30 x 3.54 M + 28.3 M lm_head).
+    # bench/anchors/README.md: 134.48 M parameters streamed per token (30 x 3.54 M + 28.3 M lm_head).
     assert report.weight_bytes_per_token(SMOLLM2) == 134_479_872 * 4
 
 

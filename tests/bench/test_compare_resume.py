@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import compare  # noqa: E402
+from bench.compare_runner import Runner
 
 PREVIOUS = [{"name": "bandwidth", "status": "ok"}, {"name": "engine-fp32", "status": "ok"},
             {"name": "engine-int8", "status": "failed"}, {"name": "llamacpp-x", "status": "not installed"}]
 
 
-def runner(only=None, skip=None) -> compare.Runner:
-    r = compare.Runner(argparse.Namespace(threads=2, only=only, skip=skip))
+def runner(only=None, skip=None) -> Runner:
+    r = Runner(argparse.Namespace(threads=2, only=only, skip=skip))
     r.keep(PREVIOUS)
     return r
 

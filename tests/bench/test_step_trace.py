@@ -5,8 +5,6 @@ trace at all."""
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -14,11 +12,10 @@ import pytest
 
 from engine.plugins import native, quant_matmul
 
+from bench import step_trace
+
 from ..plugins.runner import assert_close, library_without
 from ..plugins.test_quant_matmul import WEIGHTS, expected, quant_matmul_op
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import step_trace  # noqa: E402
 
 
 def test_a_traced_library_records_each_op_its_calls_and_their_weights(monkeypatch, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from onnx import numpy_helper
 
 from engine.builder.build import build_engine
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.plugins import quant_matmul
 from engine.recipes.convert import ConvertConfig, convert
 from engine.recipes.sources import HFDirSource

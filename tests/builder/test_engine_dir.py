@@ -10,7 +10,7 @@ import onnx
 import pytest
 from safetensors.numpy import load_file
 
-from engine.core.engine_config import EngineConfig, allreduce_name, engine_file, segment_file
+from engine.core.engine_format import EngineConfig, allreduce_name, engine_file, segment_file
 from engine.core.errors import EngineError
 from engine.core.serde import from_json, read_json, to_json
 from engine.plugins import native
@@ -125,7 +125,7 @@ def test_tp2_build_of_tp1_checkpoint(tiny, tmp_path, monkeypatch, capsys):
     config = load_engine_config(out_dir)
     assert config.mapping.tp_size == 2 and config.mapping.world_size == 2
     assert config.build.opt_level == "all"   # each segment is ORT-optimized at build, like a tp=1 engine
-    # Each rank is cut at its 2 all-reduce points per layer into 2 * 2 + 1 segments (core/engine_config.py).
+    # Each rank is cut at its 2 all-reduce points per layer into 2 * 2 + 1 segments (core/engine_format.py).
     assert not (out_dir / engine_file(0)).exists()
     ranks = [[onnx.load(str(out_dir / segment_file(r, k))) for k in range(5)] for r in (0, 1)]
     for segments in ranks:
@@ -200,7 +200,7 @@ def test_precision_names_the_quantized_projections_activations():
     from types import SimpleNamespace
 
     from engine.builder.build import precision_of
-    from engine.core.config import QuantConfig
+    from engine.core.model_config import QuantConfig
     from engine.plugins import quant_matmul
     from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
     ckpt = SimpleNamespace(dtype="float32", model=SimpleNamespace(tie_word_embeddings=False))

@@ -9,7 +9,7 @@ from engine.builder.rank_tensors import rank_tensors
 from engine.builder.memory import memory_plan, plan_rows
 from engine.builder.model_graph import build_graph
 from engine.core.artifacts import load_checkpoint_config
-from engine.core.config import QuantConfig
+from engine.core.model_config import QuantConfig
 from engine.core.parallel import kv_heads_per_rank
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
 from tests.tiny_models import TINY_CONFIGS

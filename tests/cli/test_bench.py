@@ -79,7 +79,7 @@ def test_bad_dataset_lines(engine_dir, tmp_path):
 
 def test_help_defaults_are_the_runtime_defaults():
     from engine.cli import bench as cli_bench
-    from engine.runtime import bench_dataset
+    from engine.runtime.benchmark import dataset as bench_dataset
     assert cli_bench.DEFAULT_SYNTHETIC_REQUESTS == bench_dataset.DEFAULT_SYNTHETIC_REQUESTS
     assert cli_bench.DEFAULT_INPUT_LEN == bench_dataset.DEFAULT_INPUT_LEN
 

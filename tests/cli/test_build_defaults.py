@@ -61,5 +61,5 @@ def test_explicit_max_input_len_still_caps_prompts(checkpoint, tmp_path):
 
 def test_help_states_the_default():
     r = engine("build", "--help")
-    line = r.stdout[r.stdout.index("--max-input-len"):r.stdout.index("--max-seq-len  ")]
+    line = r.stdout[r.stdout.index("--max-input-len"):r.stdout.index("  --max-seq-len <int>")]
     assert "[default: (--max-seq-len)]" in line and "1024" not in line

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from engine.core.config import ModelConfig
-from engine.core.engine_config import BuildConfig, EngineConfig
+from engine.core.engine_format import BuildConfig, EngineConfig
 from engine.core.manifest import (FileDigest, Manifest, digest_entries, digest_file, first_mismatch, scan)
+from engine.core.model_config import ModelConfig
 from engine.core.serde import from_json, to_json
 
 

@@ -1,4 +1,4 @@
-"""Builds a one-op graph with builder.graph.Graph and runs it on ORT's CPU provider, as engines run.
+"""Builds a one-op graph with plugins.graph.Graph and runs it on ORT's CPU provider, as engines run.
 
     y = run_op(lambda g, x: rms_norm(g, x, ...), {"x": array})
 
@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from engine.builder.graph import Graph, uses_engine_kernels
+from engine.plugins.graph import Graph, uses_engine_kernels
 from engine.plugins import native
 
 ONNX_TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int64): onnx.TensorProto.INT64,

@@ -1,7 +1,7 @@
 """plugins.attention: write_kv + paged_attention on a random block pool, both lowerings against a NumPy
 reference that walks each sequence's context token by token, and against each other.
 
-The step's index arrays are built here the way core/engine_config.py specifies them, from random block tables
+The step's index arrays are built here the way core/engine_format.py specifies them, from random block tables
 over a shuffled pool, with sequences mixing fresh prefills, chunked prefills (history already in the pool) and
 decodes, so padded query rows and padded context slots are always present.
 """
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from engine.core.config import RopeConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import RopeConfig
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.rotary import rotary_tables
 
@@ -266,7 +266,7 @@ def test_quant_rotary_paged_attention_equals_its_projection_then_attention(steps
     """Where the engine's QuantMatMul makes the q|k|v that only RotaryPagedAttention reads, the attention node
     takes the projection in (QuantRotaryPagedAttention, plugins/attention._fold_projection): the same output and
     K/V rows, bit for bit, as the two nodes."""
-    from engine.builder.graph import ENGINE_DOMAIN
+    from engine.plugins.graph import ENGINE_DOMAIN
     from engine.plugins import quant_matmul
     from tests.plugins.test_quant_matmul import q4_1_weight
     heads, kv_heads, hd = 9, 3, 64

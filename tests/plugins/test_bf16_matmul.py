@@ -1,9 +1,10 @@
 """plugins.bf16_matmul: the engine's Bf16MatMul against its float64 reference in each code path (AVX-512 BF16 rows,
 AMX-BF16 tiles for calls of many rows, the plain loops of CPUs without them), and Bf16Gather's rows."""
+import ml_dtypes
 import numpy as np
 import pytest
 
-from engine.builder.graph import ENGINE_DOMAIN
+from engine.plugins.graph import ENGINE_DOMAIN
 from engine.plugins import bf16_matmul, quant_matmul
 
 from .runner import assert_close, library_without, run_op
@@ -26,6 +27,24 @@ def test_pack_round_trips_the_bfloat16_weight():
     np.testing.assert_array_equal(bf16_matmul.unpack(tiles, 40), quant_matmul.to_bfloat16(w))
     # column 17 (tile 1, lane 1), k = 32 + 2 * 5 + 1: chunk 1, row 5, element 2 * 1 + 1
     assert tiles[1, 1, 5, 3] == bf16_matmul.bfloat16_bits(w[17:18, 43:44])[0, 0]
+
+
+def test_rounding_is_ml_dtypes_bfloat16():
+    """The packer's bfloat16 bits and to_bfloat16 (QuantMatMul's bfloat16 tiles and both references) round as
+    ml_dtypes' float32 -> bfloat16 cast does, on random bit patterns (normals, subnormals, infinities, values that
+    round up to infinity) and ties; a NaN stays a NaN (ml_dtypes makes every NaN the same one, the kernels keep its
+    payload)."""
+    edges = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, 3.0e-39, np.inf, 3.4e38, np.uint32(0x7F800001).view(np.float32)]
+    bits = np.random.default_rng(5).integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32)
+    w = np.concatenate([np.array(edges, dtype=np.float32), bits.view(np.float32)])
+    with np.errstate(invalid="ignore"):
+        want = w.astype(ml_dtypes.bfloat16)
+    nan = np.isnan(w)
+    assert nan.any() and np.isinf(want[~nan].astype(np.float32)).any()
+    np.testing.assert_array_equal(quant_matmul.to_bfloat16(w), want.astype(np.float32))   # NaNs where w's are
+    got = bf16_matmul.bfloat16_bits(w)
+    np.testing.assert_array_equal(got[~nan], want.view(np.uint16)[~nan])
+    assert list(got[:2]) == [0x3F80, 0x3F82]   # ties to even: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6
 
 
 def test_reference_is_close_to_the_exact_product():

@@ -3,7 +3,7 @@ float64 product, in every pass shape, on each vector code, and in every fused fo
 import numpy as np
 import pytest
 
-from engine.builder.graph import Graph
+from engine.plugins.graph import Graph
 from engine.plugins import native, quant_matmul
 from engine.plugins.linear import linear
 

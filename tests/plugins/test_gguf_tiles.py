@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from engine.builder.graph import ENGINE_DOMAIN
+from engine.plugins.graph import ENGINE_DOMAIN
 from engine.plugins import gguf_tiles, native
 from engine.quantization.gguf_blocks import decode
 

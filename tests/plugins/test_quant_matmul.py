@@ -6,12 +6,13 @@ import ctypes
 import numpy as np
 import pytest
 
-from engine.builder.graph import ENGINE_DOMAIN
+from engine.plugins.graph import ENGINE_DOMAIN
 from engine.plugins import native, quant_matmul
 from engine.plugins.linear import quantized_linear
 from engine.quantization.weight_only import (QuantizedWeight, WeightOnlyScheme, block_grid, dequantize, quantize,
                                              unpack)
 
+from .bf16_reference import reference_bf16
 from .runner import assert_close, library_without, run_op
 
 
@@ -48,7 +49,7 @@ BF16_ROWS = quant_matmul.BF16_ROWS if AMX_BF16 else None   # calls of as many ro
 def expected(x: np.ndarray, q: QuantizedWeight) -> np.ndarray:
     """What the op computes for this many rows on this CPU."""
     bf16 = BF16_ROWS is not None and x.shape[0] >= BF16_ROWS
-    return (quant_matmul.reference_bf16 if bf16 else quant_matmul.reference)(x, q)
+    return (reference_bf16 if bf16 else quant_matmul.reference)(x, q)
 
 
 WEIGHTS = {  # name -> (n, k) -> QuantizedWeight; n = 40 or 44: the last tile of 16 columns is partial
@@ -87,7 +88,7 @@ def test_matches_matmulnbits_at_accuracy_level_4(bits, tokens):
     assert_close(quant_matmul_op(x, q), nbits, rtol=1e-5, atol=1e-5 * float(np.abs(nbits).max()))
 
 
-@pytest.mark.parametrize("reference, bound", [(quant_matmul.reference, 2e-2), (quant_matmul.reference_bf16, 5e-3)])
+@pytest.mark.parametrize("reference, bound", [(quant_matmul.reference, 2e-2), (reference_bf16, 5e-3)])
 def test_references_are_close_to_the_exact_product(reference, bound):
     """The references themselves, against the exact product of the quantized weight: int8 activations per block
     cost about 1% of the largest output, bfloat16 activations and weights about a quarter of that."""
@@ -140,7 +141,7 @@ def test_bf16_tiles_match_their_reference(tokens, k):
     x = np.random.default_rng(tokens).standard_normal((tokens, k)).astype(np.float32)
     for name in sorted(WEIGHTS):
         q = WEIGHTS[name](40, k)
-        want = quant_matmul.reference_bf16(x, q)
+        want = reference_bf16(x, q)
         assert_close(quant_matmul_op(x, q), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 

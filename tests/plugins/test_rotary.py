@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.config import RopeConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import RopeConfig
 from engine.plugins.rotary import inv_frequencies, rotary, rotary_tables
 
 from .runner import assert_close, node_names, run_op

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from engine.builder.build import build_engine
-from engine.core.config import QuantConfig
+from engine.core.model_config import QuantConfig
 from engine.quantization.calibrate import CalibrationOptions
 from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, TinyEngines, slug
 

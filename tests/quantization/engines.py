@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.builder.build import build_engine
-from engine.core.config import QuantConfig
+from engine.core.model_config import QuantConfig
 from engine.plugins import quant_matmul
 from engine.quantization.accuracy import AccuracyOptions
 from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, TinyEngines, slug

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.builder.build import build_engine
-from engine.core.config import QuantConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import QuantConfig
 from engine.quantization.accuracy import AccuracyOptions
 from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.perplexity import ScoringSession, perplexity, sample_tokens, split_windows

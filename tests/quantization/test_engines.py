@@ -112,7 +112,7 @@ def test_stored_tensors_are_quantized_and_reproducible(tiny, mode, bits, group):
 
 def test_group_size_must_divide_in_features(tiny, tmp_path):
     from engine.builder.build import build_engine
-    from engine.core.config import QuantConfig
+    from engine.core.model_config import QuantConfig
     from tests.builder.engines import ALL_PLUGINS, TEST_BUILD
     with pytest.raises(EngineError, match="group size 128 does not divide the 64 input features of attention.qkv"):
         build_engine(tiny.checkpoint("LlamaForCausalLM"), tmp_path / "e", TEST_BUILD, ALL_PLUGINS,

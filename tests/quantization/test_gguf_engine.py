@@ -15,8 +15,8 @@ from onnx import numpy_helper
 from engine.builder.build import build_engine
 from engine.builder.rank_tensors import rank_tensors
 from engine.core.artifacts import load_checkpoint_config
-from engine.core.config import QuantConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import QuantConfig
 from engine.plugins import gguf_tiles, native
 from engine.recipes.convert import ConvertConfig, convert
 from engine.recipes.gguf_source import GGUFSource

@@ -24,7 +24,7 @@ import pytest
 
 from engine.builder.build import check_build_config
 from engine.builder.memory import memory_plan
-from engine.core.engine_config import BuildConfig
+from engine.core.engine_format import BuildConfig
 from engine.core.errors import EngineError
 from engine.plugins import e4m3
 from engine.quantization.kv_cache import check_kv_cache_dtype

@@ -11,9 +11,9 @@ from onnx import numpy_helper
 
 from engine.builder.build import build_engine
 from engine.builder.onnxruntime_backend import op_counts
-from engine.core.config import QuantConfig
 from engine.core.errors import EngineError
-from engine.plugins import bf16_matmul, quant_matmul
+from engine.core.model_config import QuantConfig
+from engine.plugins import bf16_matmul
 from engine.quantization import modes
 from engine.runtime.engine_dir import load_engine_config
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, slug
@@ -102,11 +102,3 @@ def test_bad_requests_fail_before_anything_is_written(tiny, tmp_path, quant, plu
     with pytest.raises(EngineError, match=match):
         build_engine(tiny.checkpoint(UNTIED), tmp_path / "e", TEST_BUILD, plugins, quant=quant, accuracy=NO_REPORT)
     assert not (tmp_path / "e").exists()
-
-
-def test_quant_matmul_shares_the_bfloat16_rounding():
-    """The packer rounds as QuantMatMul's bfloat16 tiles do (one to_bfloat16 for both kernels)."""
-    w = np.array([[1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, 3.0e-39] + [0.0] * 28], dtype=np.float32)
-    bits = bf16_matmul.bfloat16_bits(w)
-    np.testing.assert_array_equal((bits.astype(np.uint32) << 16).view(np.float32), quant_matmul.to_bfloat16(w))
-    assert list(bits[0, :2]) == [0x3F80, 0x3F82]   # ties to even: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6

@@ -11,8 +11,8 @@ import pytest
 
 from engine.builder.build import build_engine
 from engine.builder.onnxruntime_backend import op_counts
-from engine.core.config import QuantConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import QuantConfig
 from engine.plugins import bf16_matmul
 from engine.quantization import modes
 from engine.quantization.weight_only import WeightOnlyScheme, dequantize, quantize, quantize_q8_0

@@ -16,8 +16,8 @@ import pytest
 
 from engine.builder.build import build_engine
 from engine.builder.onnxruntime_backend import op_counts
-from engine.core.config import QuantConfig
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
+from engine.core.model_config import QuantConfig
 from engine.quantization.accuracy import AccuracyOptions
 from engine.quantization.calibrate import CalibrationOptions
 from tests.real_model import next_token_after_france

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from engine.builder.build import build_engine
-from engine.core.config import QuantConfig
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
+from engine.core.model_config import QuantConfig
 from engine.plugins import native
 from engine.quantization.accuracy import AccuracyOptions
 from engine.recipes.convert import ConvertConfig, convert

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.builder.build import build_engine
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.quantization.accuracy import AccuracyOptions
 from engine.quantization.calibrate import CalibrationOptions
 from engine.runtime.engine_dir import load_engine_config

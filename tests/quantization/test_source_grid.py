@@ -16,7 +16,7 @@ from engine.builder.onnxruntime_backend import op_counts
 from engine.builder.model_graph import build_graph
 from engine.builder.memory import memory_plan
 from engine.core.artifacts import load_checkpoint_config
-from engine.core.config import QuantConfig
+from engine.core.model_config import QuantConfig
 from engine.recipes.convert import ConvertConfig, convert
 from engine.recipes.sources import HFDirSource
 from engine.runtime.engine_dir import load_engine_config

@@ -4,8 +4,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.core.config import QuantConfig
 from engine.core.errors import EngineError
+from engine.core.model_config import QuantConfig
 from engine.quantization import modes
 from engine.quantization.weight_only import (WeightOnlyScheme, dequantize, quantize, rtn_scales, signed_values,
                                              stored_bytes)
@@ -66,7 +66,7 @@ def test_split_dtype():
 
 
 def test_resolve_defaults_and_checks():
-    from engine.core.config import ModelConfig
+    from engine.core.model_config import ModelConfig
     m = ModelConfig("LlamaForCausalLM", vocab_size=512, hidden_size=576, num_layers=1, num_heads=9,
                     num_kv_heads=3, head_dim=64, intermediate_size=1536, norm_eps=1e-5,
                     max_position_embeddings=256)

@@ -127,6 +127,12 @@ def test_convert_peak_anonymous_memory_is_well_under_the_model(wide_llama, tmp_p
     assert growth < rank_bytes + 2 * largest_tensor
 
 
+def default_sigint():
+    """The child's SIGINT back to its default action, so that Python installs its handler there: a shell's
+    background job (pytest run with `&`) starts with SIGINT ignored, and a child inherits that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupt_leaves_nothing(wide_llama, tmp_path):
     """Ctrl-C in the middle of a conversion (rank 0 written, ranks 1-3 to come) removes the temporary directory
     and exits 130 with one line; the big model is what makes the conversion last long enough to interrupt."""
@@ -134,7 +140,7 @@ def test_interrupt_leaves_nothing(wide_llama, tmp_path):
     out = tmp_path / "ckpt"
     proc = subprocess.Popen([str(Path(sys.executable).with_name("engine")), "convert", "--model-dir", str(model_dir),
                              "--output-dir", str(out), "--tp", str(TP)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(f".{out.name}.tmp-*/{rank_file(0)}")):

@@ -1,7 +1,7 @@
 """Shared ground of the fault suite: one tiny model as every artifact (HF dir, GGUF, checkpoint, engine), the CLI
 run in-process or in a subprocess, and the checks every fault shares (one-line error, exit status, no output).
 
-RELIABILITY.md at the repository root lists each fault, the test that injects it and what it counted.
+docs/reliability.md lists each fault, the test that injects it and what it counted.
 """
 from __future__ import annotations
 

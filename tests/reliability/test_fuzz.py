@@ -19,7 +19,7 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 from tests.server.conftest import RunningServer
 
 EXAMPLES_PER_OPERATION = 40
-SEEN: dict[str, int] = {}     # operation -> requests sent, reported in RELIABILITY.md
+SEEN: dict[str, int] = {}     # operation -> requests sent, reported in docs/reliability.md
 
 
 @pytest.fixture(scope="module")

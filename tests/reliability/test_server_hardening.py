@@ -90,7 +90,7 @@ def test_api_key_is_compared_in_constant_time(server, monkeypatch):
 
 def test_default_bind_is_localhost():
     from engine.cli.serve import serve_command
-    from engine.runtime.server import ServerConfig
+    from engine.runtime.server.config import ServerConfig
     assert inspect.signature(serve_command).parameters["host"].default.default == "127.0.0.1"
     assert ServerConfig(engine_dir=Path("."), served_model_name="m").host == "127.0.0.1"
 

@@ -1,4 +1,4 @@
-"""runtime/benchmark.py, bench_dataset.py and bench_stats.py: statistics on known timestamps, datasets and their
+"""runtime/benchmark/ (runner.py, dataset.py and stats.py): statistics on known timestamps, datasets and their
 errors, and both modes on the tiny engine (counts, batch shapes, the JSON report)."""
 import json
 import subprocess
@@ -7,13 +7,13 @@ import sys
 import numpy as np
 import pytest
 
-from engine.core.engine_config import BuildConfig
+from engine.core.engine_format import BuildConfig
 from engine.core.errors import EngineError
 from engine.core.serde import to_json
-from engine.runtime.bench_dataset import (BenchRequest, check_requests_fit, check_synthetic_fits, read_jsonl_requests,
-                                          synthetic_requests)
-from engine.runtime.bench_stats import RequestTiming, distribution_ms, summarize
-from engine.runtime.benchmark import BenchConfig, run_benchmark
+from engine.runtime.benchmark.dataset import (BenchRequest, check_requests_fit, check_synthetic_fits,
+                                              read_jsonl_requests, synthetic_requests)
+from engine.runtime.benchmark.runner import BenchConfig, run_benchmark
+from engine.runtime.benchmark.stats import RequestTiming, distribution_ms, summarize
 
 
 # ---- statistics on known timestamps ----------------------------------------------------------------------------
@@ -211,8 +211,8 @@ def test_benchmark_imports_no_torch(tiny_engine):
     code = (
         "import sys\n"
         "from engine.runtime import LLM\n"
-        "from engine.runtime.bench_dataset import synthetic_requests\n"
-        "from engine.runtime.benchmark import BenchConfig, run_benchmark\n"
+        "from engine.runtime.benchmark.dataset import synthetic_requests\n"
+        "from engine.runtime.benchmark.runner import BenchConfig, run_benchmark\n"
         f"llm = LLM({str(tiny_engine[1])!r}, max_kv_tokens=128)\n"
         "reqs = synthetic_requests(2, 4, 3, vocab_size=llm.config.model.vocab_size)\n"
         "report = run_benchmark(llm, reqs, BenchConfig(warmup=1))\n"
@@ -227,7 +227,7 @@ def test_benchmark_imports_no_torch(tiny_engine):
 def test_peak_rss_is_the_process_own_not_its_parents():
     """A process started by a parent holding 600 MB reports its own peak: Linux carries ru_maxrss across fork and
     exec, which made every child of a large benchmark driver read the driver's RSS."""
-    child = "from engine.runtime.benchmark import peak_rss_bytes; print(peak_rss_bytes())"
+    child = "from engine.runtime.benchmark.runner import peak_rss_bytes; print(peak_rss_bytes())"
     parent = ("import subprocess, sys\n"
               "held = bytearray(600 * 2**20)\n"
               "for i in range(0, len(held), 4096): held[i] = 1\n"

@@ -1,12 +1,13 @@
 """runtime/ reads only an engine directory: importing it (and running an engine) never imports torch,
-transformers, recipes/ or builder/."""
+transformers, recipes/ or builder/, nor the HTTP server (runtime/server/) and its web stack."""
 import subprocess
 import sys
 
-FORBIDDEN = ("torch", "transformers", "engine.recipes", "engine.builder")
+FORBIDDEN = ("torch", "transformers", "engine.recipes", "engine.builder", "engine.runtime.server", "fastapi",
+             "uvicorn", "starlette")
 
 
-def test_runtime_imports_no_torch_nor_build_code(tiny_engine):
+def test_runtime_imports_no_torch_build_code_nor_web_stack(tiny_engine):
     code = (
         "import sys\n"
         "from engine.runtime import LLM, SamplingParams\n"

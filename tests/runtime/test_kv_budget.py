@@ -1,9 +1,9 @@
 """Sizing the KV pool from a byte budget or a token count, and refusing a pool too small for max_seq_len."""
 import pytest
 
-from engine.core.config import ModelConfig
-from engine.core.engine_config import BuildConfig, EngineConfig, MemoryPlan
+from engine.core.engine_format import BuildConfig, EngineConfig, MemoryPlan
 from engine.core.errors import EngineError
+from engine.core.model_config import ModelConfig
 from engine.runtime.kv_budget import available_memory, plan_kv_cache
 
 MiB = 1 << 20

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from engine.core.engine_config import engine_file, kcache_name, kcache_out_name
+from engine.core.engine_format import engine_file, kcache_name, kcache_out_name
 from engine.core.errors import EngineError
 from engine.runtime.session import EngineSession
 from engine.runtime.step_inputs import SeqChunk, make_step_inputs

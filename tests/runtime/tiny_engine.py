@@ -10,7 +10,7 @@ TINY_BUILD = dict(max_batch_size=8, max_input_len=48, max_seq_len=64, max_num_to
 def build_tiny_engine(root: Path, key: str = "LlamaForCausalLM", **build) -> tuple[Path, Path]:
     """HF tiny model -> checkpoint -> engine under `root`; returns (hf_dir, engine_dir)."""
     from engine.builder.build import build_engine
-    from engine.core.engine_config import BuildConfig, PluginConfig
+    from engine.core.engine_format import BuildConfig, PluginConfig
     from engine.recipes.convert import ConvertConfig, convert
     from engine.recipes.sources import HFDirSource
     from tests.tiny_models import make_tiny_model

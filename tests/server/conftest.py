@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from engine.runtime import LLM
-from engine.runtime.server import ServerConfig, create_app, uvicorn_config
+from engine.runtime.server.app import create_app, uvicorn_config
+from engine.runtime.server.config import ServerConfig
 from tests.runtime.tiny_engine import build_tiny_engine
 
 SERVER_BUILD = dict(max_batch_size=8, max_input_len=64, max_seq_len=256, max_num_tokens=64, tokens_per_block=8)

@@ -7,7 +7,7 @@ import logging
 
 from fastapi import FastAPI
 
-from engine.runtime.server import uvicorn_config
+from engine.runtime.server.app import uvicorn_config
 
 
 def test_the_server_runs_on_httptools_and_uvloop():

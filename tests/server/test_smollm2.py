@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from engine.builder.build import build_engine
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.runtime import LLM
 from tests.server.conftest import MODEL, RunningServer
 

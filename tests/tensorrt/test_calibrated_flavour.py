@@ -14,9 +14,10 @@ from engine.builder.build import build_engine, resolve_quant
 from engine.builder.tensorrt_backend import tensorrt_plugins
 from engine.builder.tensorrt_quant import INT4_BLOCKS, TENSORRT_QUANT_MODES, check_tensorrt_quant, tensorrt_quant
 from engine.core.artifacts import load_checkpoint_config
-from engine.core.config import QuantConfig
-from engine.core.engine_config import engine_file
+from engine.core.engine_format import engine_file
 from engine.core.errors import EngineError
+from engine.core.model_config import QuantConfig
+from engine.quantization import modes
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, prompts
 from tests.quantization.calibrated_engines import TINY_CALIBRATION
 from tests.quantization.engines import NO_REPORT
@@ -129,9 +130,22 @@ def test_int8_sq_flavour_has_what_tensorrt_refuses(built):
                and inits[produced[n.input[2]].input[0]].dtype == np.uint8 for n in quantize)
 
 
-@pytest.mark.parametrize("mode", TENSORRT_QUANT_MODES)
-def test_modes_tensorrt_takes(mode):
-    check_tensorrt_quant(mode)
+# What TensorRT takes, written out here rather than read from TENSORRT_QUANT_MODES: the modes whose graph is explicit
+# Q/DQ with constant scales (the plain float build: None).
+TAKEN = (None, "int8_wo", "int4_wo", "fp8", "int4_awq")
+
+
+@pytest.mark.parametrize("mode", (None, *modes.IMPLEMENTED, *modes.PLANNED))
+def test_every_mode_is_taken_or_refused_by_name(mode):
+    """Every --dtype mode either passes or is refused up front with a usage error that names it (gguf's tiles and the
+    planned modes included), never handed to a TensorRT build that would fail later."""
+    if mode in TAKEN:
+        check_tensorrt_quant(mode)
+        return
+    with pytest.raises(EngineError) as e:
+        check_tensorrt_quant(mode)
+    assert e.value.usage and f"--dtype {mode} " in str(e.value)
+    assert "--backend onnxruntime" in str(e.value)
 
 
 def test_int8_sq_is_refused_on_tensorrt():

@@ -39,18 +39,8 @@ def test_auto_picks_onnxruntime(tiny, tmp_path, capsys):
     assert read_json(out_dir / "config.json")["build"]["backend"] == "onnxruntime"
 
 
-def _has_trt_flags() -> bool:
-    import inspect
-
-    from engine.cli.build import build_command
-    return "workspace_size" in inspect.signature(build_command).parameters
-
-
-needs_flags = pytest.mark.skipif(not _has_trt_flags(), reason="cli/build.py has no TensorRT flags yet")
-
-
-@needs_flags
-@pytest.mark.parametrize("flags", [["--workspace-size", "4GiB"], ["--output-timing-cache", "t.cache"]])
+@pytest.mark.parametrize("flags", [["--workspace-size", "4GiB"], ["--input-timing-cache", "t.cache"],
+                                   ["--output-timing-cache", "t.cache"]])
 def test_tensorrt_flags_refused_for_onnxruntime(tiny, tmp_path, capsys, flags):
     out_dir = tmp_path / "engine"
     code, _, err = cli(capsys, "build", "--checkpoint-dir", str(tiny.checkpoint("LlamaForCausalLM")),
@@ -60,7 +50,6 @@ def test_tensorrt_flags_refused_for_onnxruntime(tiny, tmp_path, capsys, flags):
     assert not out_dir.exists()
 
 
-@needs_flags
 def test_bad_workspace_size(tiny, tmp_path, capsys):
     code, _, err = cli(capsys, "build", "--checkpoint-dir", str(tiny.checkpoint("LlamaForCausalLM")),
                        "--output-dir", str(tmp_path / "engine"), "--workspace-size", "lots")

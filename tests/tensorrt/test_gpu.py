@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from engine.builder.tensorrt_backend import TensorRTOptions, tensorrt_unavailable
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.core.serde import read_json
 from engine.runtime.step_inputs import SeqChunk
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, engine_greedy, hf_greedy, hf_last_logits, prompts
@@ -29,7 +29,7 @@ def build_trt(ckpt, out, build, tmp_path):
 
 @pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
 def test_tiny_parity(tiny, key, tmp_path):
-    from engine.core.engine_config import engine_file
+    from engine.core.engine_format import engine_file
     from engine.runtime.trt_session import TrtSession
     out = tmp_path / "engine"
     build_trt(tiny.checkpoint(key), out, TEST_BUILD, tmp_path)

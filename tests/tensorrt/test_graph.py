@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from engine.core.engine_config import LOGITS, engine_file, kcache_name, kcache_out_name, vcache_name, vcache_out_name
+from engine.core.engine_format import LOGITS, engine_file, kcache_name, kcache_out_name, vcache_name, vcache_out_name
 from engine.core.parallel import kv_heads_per_rank
 from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.session import EngineSession
@@ -98,7 +98,7 @@ def test_weight_only_flavour_is_qdq(tiny, tmp_path, mode):
     never com.microsoft MatMulNBits/GatherBlockQuantized; the tied lm_head quantized too."""
     from engine.builder.build import build_engine
     from engine.builder.tensorrt_backend import tensorrt_plugins
-    from engine.core.config import QuantConfig
+    from engine.core.model_config import QuantConfig
     from engine.quantization.accuracy import AccuracyOptions
     from tests.builder.engines import ALL_PLUGINS
     from tests.tensorrt.conftest import TRT_FLAVOUR_BUILD

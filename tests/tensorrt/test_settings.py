@@ -10,7 +10,7 @@ import pytest
 from engine.builder.tensorrt_backend import (TensorRTOptions, builder_settings, check_options,
                                              choose_backend, dim_ranges, graph_input_dims, max_slots, parse_size,
                                              profile_shapes, tensorrt_plugins)
-from engine.core.engine_config import BuildConfig, PluginConfig, engine_file
+from engine.core.engine_format import BuildConfig, PluginConfig, engine_file
 from engine.core.errors import EngineError
 from engine.runtime.step_inputs import SeqChunk, make_step_inputs
 from engine.runtime.trt_session import DeviceStamp, check_device

@@ -16,12 +16,12 @@ import types
 import pytest
 
 from engine.builder.rank_tensors import rank_tensors
-from engine.builder.graph import MS_DOMAIN
+from engine.plugins.graph import MS_DOMAIN
 from engine.builder.model_graph import build_graph
 from engine.builder.tensorrt_backend import tensorrt_plugins
 from engine.builder.tensorrt_collectives import AllReduce, check_tensorrt_tp, insert_all_reduces, mark_all_reduces
 from engine.core.artifacts import load_checkpoint_config
-from engine.core.config import QuantConfig
+from engine.core.model_config import QuantConfig
 from engine.core.errors import EngineError
 from engine.runtime.session import EngineSession
 from engine.runtime.tp.session import TPSession

@@ -1,8 +1,9 @@
-"""Calibrated modes (fp8, int4_awq; int8_sq is refused) at tp 2: calibration runs once on the whole model and each rank
-takes its slice of the scales (quantization/calibrated.shard_calibrated), so a tp=2 engine gives the tp=1 engine's
-logits of the same mode within float reassociation, and the same greedy tokens. Llama (2 KV heads, one a rank), Qwen2
-(tied, biases; lm_head quantized: vocabulary-parallel scales, and a tied embedding reading the whole quantized
-table), Mistral MQA (1 KV head copied to both ranks) and Gemma3 (head_dim 32, sandwich norms)."""
+"""Calibrated modes (fp8, int8_sq, int4_awq) at tp 2 and 4: calibration runs once on the whole model and each rank
+takes its slice of the scales (quantization/calibrated.shard_calibrated), and int8_sq's per-token activation scale at
+a row-parallel projection takes the max over the ranks, so a tp=N engine gives the tp=1 engine's logits of the same
+mode within float reassociation, and the same greedy tokens. Llama (2 KV heads, one a rank), Qwen2 (tied, biases;
+lm_head quantized: vocabulary-parallel scales, and a tied embedding reading the whole quantized table), Mistral MQA
+(1 KV head copied to every rank, with its int8 KV cache scales) and Gemma3 (head_dim 32, sandwich norms)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,7 @@ import numpy as np
 import pytest
 
 from engine.builder.build import build_engine
-from engine.core.config import QuantConfig
-from engine.core.errors import EngineError
+from engine.core.model_config import QuantConfig
 from engine.quantization.calibrated import quantize_weight, shard_calibrated
 from engine.runtime.session import EngineSession
 from engine.runtime.tp.session import TPSession
@@ -24,29 +24,37 @@ from tests.tp.parity import check_same_as_tp1
 LLAMA, QWEN2, MQA, GEMMA3 = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM:mqa-no-window",
                              "Gemma3ForCausalLM")
 # int4_awq at group 32 at both tp (the default group depends on tp: the largest dividing every rank's in features)
-GROUP = {"fp8": None, "int4_awq": 32}
-CASES = [(LLAMA, "fp8", False), (LLAMA, "int4_awq", False), (QWEN2, "fp8", True), (QWEN2, "int4_awq", True),
-         (MQA, "fp8", False), (MQA, "int4_awq", False), (GEMMA3, "int4_awq", False)]
+GROUP = {"fp8": None, "int8_sq": None, "int4_awq": 32}
+# at tp 4 a row-parallel projection of the tiny models takes 64 / 4 = 16 input features
+GROUP_TP4 = {**GROUP, "int4_awq": 16}
+# (model, mode, lm_head quantized, tp): tp 4 on fewer cases (four processes on a two-core machine are slow)
+CASES = [(LLAMA, "fp8", False, 2), (LLAMA, "int4_awq", False, 2), (LLAMA, "int8_sq", False, 2),
+         (QWEN2, "fp8", True, 2), (QWEN2, "int4_awq", True, 2), (QWEN2, "int8_sq", True, 2),
+         (GEMMA3, "int4_awq", False, 2), (GEMMA3, "int8_sq", False, 2),
+         (MQA, "fp8", False, 4), (MQA, "int8_sq", False, 4), (LLAMA, "int4_awq", False, 4)]
 # the MQA model's one KV head is copied to both ranks, and with it the scales of an int8 KV cache
 KV_CACHE = {MQA: "int8"}
 
 
-def _engine(tiny, key: str, mode: str, tp: int, lm_head: bool):
-    d = tiny.root / slug(key) / f"calibrated_{mode}_lm{int(lm_head)}_tp{tp}"
+def _engine(tiny, key: str, mode: str, tp: int, lm_head: bool, group: int | None):
+    d = tiny.root / slug(key) / f"calibrated_{mode}_g{group}_lm{int(lm_head)}_tp{tp}"
     if not d.exists():
         build = dataclasses.replace(TEST_BUILD, tp_size=tp, kv_cache_dtype=KV_CACHE.get(key, "float32"))
         build_engine(tiny.checkpoint(key), d, build, ALL_PLUGINS,
                      accuracy=NO_REPORT, calibration=TINY_CALIBRATION,
-                     quant=QuantConfig(mode=mode, group_size=GROUP[mode], quantize_lm_head=lm_head))
+                     quant=QuantConfig(mode=mode, group_size=group, quantize_lm_head=lm_head))
     return d
 
 
-@pytest.mark.parametrize("key,mode,lm_head", CASES, ids=[f"{slug(k)}-{m}{'-lm_head' * h}" for k, m, h in CASES])
-def test_calibrated_tp2_matches_tp1(tiny, key, mode, lm_head):
-    reference = EngineSession(_engine(tiny, key, mode, 1, lm_head), num_blocks=64)
-    session = TPSession(_engine(tiny, key, mode, 2, lm_head), num_blocks=64)
+@pytest.mark.parametrize("key,mode,lm_head,tp", CASES,
+                         ids=[f"{slug(k)}-{m}{'-lm_head' * h}-tp{t}" for k, m, h, t in CASES])
+def test_calibrated_tp_matches_tp1(tiny, key, mode, lm_head, tp):
+    group = (GROUP_TP4 if tp == 4 else GROUP)[mode]
+    reference = EngineSession(_engine(tiny, key, mode, 1, lm_head, group), num_blocks=64)
+    session = TPSession(_engine(tiny, key, mode, tp, lm_head, group), num_blocks=64)
     try:
-        check_same_as_tp1(reference, session, prompts(3, (5, 13, 30), seed=5), steps=6, what=f"{key} {mode} tp=2")
+        check_same_as_tp1(reference, session, prompts(3, (5, 13, 30), seed=5), steps=6, what=f"{key} {mode} tp={tp}",
+                          dtype="int8_activations" if mode == "int8_sq" else "float32")
     finally:
         session.close()
 
@@ -54,7 +62,7 @@ def test_calibrated_tp2_matches_tp1(tiny, key, mode, lm_head):
 def test_shards_put_back_together_are_the_whole_model():
     """Column-parallel rows (q/k/v by heads, gate/up), row-parallel columns with their input scales, per-tensor
     scales replicated, a KV head copied where tp exceeds the KV heads."""
-    from engine.core.config import ModelConfig
+    from engine.core.model_config import ModelConfig
     model = ModelConfig(architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_layers=1,
                         num_heads=4, num_kv_heads=1, head_dim=16, vocab_size=10, norm_eps=1e-6,
                         max_position_embeddings=64)
@@ -86,12 +94,6 @@ def test_shards_put_back_together_are_the_whole_model():
     # vocabulary 10 over 2 ranks: 5 rows each, no padding; scales follow their rows
     np.testing.assert_array_equal(np.concatenate([r["lm_head.weights_scaling_factor"] for r in ranks]),
                                   whole["lm_head.weights_scaling_factor"])
-
-
-def test_int8_sq_at_tp2_is_refused(tiny, tmp_path):
-    with pytest.raises(EngineError, match="int8_sq.*tp 2"):
-        build_engine(tiny.checkpoint(LLAMA), tmp_path / "e", dataclasses.replace(TEST_BUILD, tp_size=2), ALL_PLUGINS,
-                     accuracy=NO_REPORT, calibration=TINY_CALIBRATION, quant=QuantConfig(mode="int8_sq"))
 
 
 

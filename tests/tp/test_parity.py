@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from engine.builder.build import build_engine
-from engine.core.config import QuantConfig
+from engine.core.model_config import QuantConfig
 from engine.plugins import bf16_matmul
 from engine.runtime import LLM, SamplingParams
 from engine.runtime.session import EngineSession

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.builder.build import build_engine
-from engine.core.engine_config import BuildConfig, PluginConfig
+from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.runtime.session import EngineSession
 from engine.runtime.tokenizer import Tokenizer
 from engine.runtime.tp.session import TPSession

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP server's app: create_app assembles it (middleware, error handlers, routes), its
+lifespan loads and closes the engine, and run_server serves it on uvicorn.
+
+    app = create_app(ServerConfig(engine_dir, served_model_name="smollm2"), load=lambda: LLM(engine_dir))
+    run_server(app, config)            # uvicorn; SIGTERM drains
+
+Lifecycle: the app starts listening at once and loads the engine in a worker thread, then warms it with one
+short generation; until then /health is 503 (and so are the generation endpoints, with Retry-After). /health is
+also 503 when the engine loop died. The engine runs in the LLM's own thread (its async API), never on the
+event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
+stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
+finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits. With
+state_dir (resume.py) the requests in flight are checkpointed every state_checkpoint_interval seconds, and SIGTERM
+writes the state and exits at once; a server restarted on that directory resumes them, and clients reconnect to
+GET /v1/requests/{id}/stream (SSE, from their Last-Event-ID) or GET /v1/requests/{id} (JSON). A client may name
+its response with an X-Request-Id header (the id becomes cmpl-ID / chatcmpl-ID); every response carries its id
+in the X-Request-Id response header.
+
+Every error is OpenAI's {"error": {"message", "type", "param", "code"}}; what a client sent never causes a 500.
+Admission (429 beyond max_batch_size + max_queue sequences) is admission.py's, the endpoints routes.py's, the
+requests' meaning completions.py's, the metrics metrics.py's. The engine core (runtime/) knows nothing of this
+package.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import signal
+import threading
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.core.errors import EngineError
+
+from ..engine_dir import load_engine_config
+from ..sampling_params import SamplingParams
+from .admission import ServerState
+from .body_limit import BodySizeLimit
+from .completions import OpenAIServing
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .protocol import APIError, validation_error
+from .resume import StateKeeper
+from .routes import add_routes
+
+log = logging.getLogger("engine.server")
+
+
+def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
+    """The app; `load` builds the LLM (called in a worker thread at start-up) with config's scheduling_policy.
+    If it fails, /health stays 503 and a server started by run_server exits with status 1."""
+    build = load_engine_config(config.engine_dir).build   # a bad engine dir fails here, before serving
+    keeper = None if config.state_dir is None else StateKeeper(
+        config.state_dir, config.served_model_name, interval=config.state_checkpoint_interval,
+        result_ttl=config.state_result_ttl)
+    metrics = ServerMetrics(config.served_model_name, lambda: state.llm)
+    state = ServerState(config, max_batch_size=build.max_batch_size, max_model_len=build.max_seq_len,
+                        metrics=metrics, keeper=keeper)
+    app = FastAPI(title="engine", lifespan=_lifespan(state, load))
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.state.server = state
+    _add_error_handlers(app)
+    add_routes(app, state)
+    return app
+
+
+def _lifespan(state: ServerState, load: Callable[[], object]):
+    """Load the engine in the background while the app already answers (503 until ready); on shutdown, drain,
+    stop checkpointing and close the engine."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_load_engine(app, state, load))
+        yield
+        state.draining = True
+        await task
+        if state.keeper is not None:
+            state.keeper.stop()
+        if state.llm is not None:
+            await run_in_threadpool(state.llm.close)
+    return lifespan
+
+
+async def _load_engine(app: FastAPI, state: ServerState, load: Callable[[], object]) -> None:
+    """Load and warm the engine, then open the routes to it (and resume saved responses); a failure is kept for
+    /health and stops a server started by run_server."""
+    config = state.config
+    try:
+        llm = await run_in_threadpool(load)
+        if llm.scheduling_policy != config.scheduling_policy:
+            raise EngineError(f"the server runs --scheduling-policy {config.scheduling_policy} but `load` made "
+                              f"an LLM with scheduling_policy={llm.scheduling_policy!r}; pass the same to both")
+        await run_in_threadpool(_warm, llm)
+    except Exception as e:  # noqa: BLE001 - reported by /health; run_server exits 1
+        state.load_error = str(e)
+        log.error("the engine failed to load: %s", e)
+        server = getattr(app.state, "uvicorn_server", None)
+        if server is not None:
+            server.should_exit = True
+        return
+    state.llm = llm
+    state.serving = OpenAIServing(llm, config.served_model_name, state.metrics, keepalive_s=config.keepalive_s,
+                                  engine_alive=llm.is_running)
+    if state.keeper is not None:
+        state.serving.resumable, state.serving.on_finished = True, state.keeper.on_finished
+        await state.keeper.start(llm)
+    log.info("engine loaded and warmed; serving %s", config.served_model_name)
+
+
+def _warm(llm) -> None:
+    """Start the engine thread and run one short greedy generation through it (first-call costs paid now)."""
+    llm.start()
+    ids = llm.tokenizer.encode("Hello") or [0]
+    for _ in llm.stream([ids], SamplingParams(temperature=0, max_tokens=2)):
+        pass
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; what a client sent never causes a 500."""
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        err = validation_error(list(e.errors()))
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        code = "request_too_large" if e.status_code == 413 else None
+        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind, code=code).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(APIError(f"internal server error: {e}", status=500, type="internal_server_error")
+                            .body(), status_code=500)
+
+
+def uvicorn_config(app: FastAPI, **kwargs):
+    """uvicorn.Config for `app` on httptools' HTTP parser and uvloop's event loop, as vLLM serves; the serve extra
+    installs both. Every streamed token is an SSE chunk through the event loop, and on two cores that loop shares
+    the CPUs with the engine: 32 streams ran 4-9% more tokens/s than on uvicorn's pure-Python h11 and asyncio's
+    loop, httptools most of it (bench/NOTES.md entry 48). Without them the server warns and runs on those."""
+    import uvicorn
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    if (http, loop) != ("httptools", "uvloop"):
+        log.warning("httptools or uvloop is not installed: serving on %s and %s, which costs CPU per streamed "
+                    "token; install them with pip install 'engine[serve]'", http, loop)
+    return uvicorn.Config(app, http=http, loop=loop, **kwargs)
+
+
+def run_server(app: FastAPI, config: ServerConfig, log_level: str = "info") -> int:
+    """Serve until SIGINT / SIGTERM (graceful, see the module docstring); 1 if the engine failed to load."""
+    import uvicorn
+
+    state: ServerState = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.draining = True                  # requests on open keep-alive connections now get 503
+            if state.keeper is not None:           # --state-dir: save the state, then end streams (no drain)
+                state.keeper.shutdown_soon()
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn_config(app, host=config.host, port=config.port, log_level=log_level,
+                                    timeout_graceful_shutdown=config.shutdown_timeout, access_log=False))
+    app.state.uvicorn_server = server
+    # uvicorn re-raises SIGTERM after its graceful shutdown, to die of it; the drain is done by then, so a
+    # no-op handler (which uvicorn restores before re-raising) makes a SIGTERM'd server exit 0.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    try:
+        server.run()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return 1 if state.load_error is not None else 0

@@ -1,0 +1,48 @@
+"""The settings of `engine serve` (app.py), checked when made: bad values are usage errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from engine.core.errors import EngineError
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine_dir: Path
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    max_queue: int = 256                 # sequences waiting beyond one full batch
+    scheduling_policy: str = "fcfs"      # "priority": requests' `priority` field orders the queue
+    shutdown_timeout: float = 30.0       # seconds in-flight requests get to finish after SIGTERM
+    keepalive_s: float = 5.0             # SSE comment after this long without a token
+    retry_after_s: int = 1
+    max_body_bytes: int = 4 * 2**20      # larger request bodies are answered 413 (body_limit.py)
+    state_dir: Optional[Path] = None     # checkpoints of the requests in flight, resumed on restart (resume.py)
+    state_checkpoint_interval: float = 30.0
+    state_result_ttl: float = 600.0      # seconds a resumed response is kept after it finished
+
+    def __post_init__(self):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise EngineError(f"--scheduling-policy {self.scheduling_policy!r} is not one of "
+                              f"{', '.join(SCHEDULING_POLICIES)}", usage=True)
+        if self.max_queue < 0:
+            raise EngineError(f"--max-queue {self.max_queue} must be >= 0", usage=True)
+        if self.shutdown_timeout < 0:
+            raise EngineError(f"--shutdown-timeout {self.shutdown_timeout} must be >= 0", usage=True)
+        if self.keepalive_s <= 0:
+            raise EngineError(f"keepalive_s {self.keepalive_s} must be > 0", usage=True)
+        if not self.served_model_name:
+            raise EngineError("--served-model-name must not be empty", usage=True)
+        if self.max_body_bytes < 1024:
+            raise EngineError(f"--max-body-bytes {self.max_body_bytes} must be at least 1024", usage=True)
+        if self.state_checkpoint_interval <= 0:
+            raise EngineError(f"--state-checkpoint-interval {self.state_checkpoint_interval} must be > 0 seconds",
+                              usage=True)
+        if self.state_result_ttl < 0:
+            raise EngineError(f"--state-result-ttl {self.state_result_ttl} must be >= 0 seconds", usage=True)

@@ -1,0 +1,254 @@
+"""The OpenAI API's request bodies (pydantic), their checks, and their translation into SamplingParams.
+
+Owns what a client may send and what it means; knows nothing of HTTP, the engine or responses (completions.py).
+Every field is either honoured or refused: bodies forbid unknown fields (400 naming the field), and fields
+OpenAI defines that this server cannot honour are accepted only at their harmless values:
+  - user, metadata, safety_identifier, prompt_cache_key: accepted and ignored (bookkeeping for OpenAI's side;
+    prefix caching needs no key), parallel_tool_calls (no tools run), service_tier "auto" / "default",
+    store false, best_of equal to n (vLLM's benchmark sends best_of=1), response_format {"type": "text"},
+    tools [] and tool_choice "none" / "auto" without tools, logit_bias {}.
+  - suffix, echo with logprobs (needs prompt logprobs, which the engine does not compute), non-text content
+    parts, and anything else: 400.
+Extensions in vLLM's spelling: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+include_stop_str_in_output, skip_special_tokens, priority, add_generation_prompt, chat_template_kwargs; `model`
+may be left out (the served model). With n > 1 and a seed, choice j samples with seed + j so choices differ
+(seeds are taken modulo 2**64: OpenAI allows negative ones, numpy's generators do not).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_param(param: str, message: str) -> APIError:
+    """Raised from a body's validators: pydantic passes exceptions other than ValueError through, so the
+    app's APIError handler answers it with `param` set (a ValueError would lose the field's name)."""
+    return APIError(message, param=param, code="invalid_value")
+
+
+class _Body(BaseModel):
+    # JSON parsed by Python accepts NaN and Infinity; no sampling parameter means anything with them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)           # 0 = greedy; OpenAI's default 1
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)                  # vLLM: -1 or 0 = off
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    priority: int = 0
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Harmless OpenAI fields (see the module docstring).
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    service_tier: Optional[Literal["auto", "default"]] = None
+    store: Optional[Literal[False]] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.stream_options is not None and not self.stream:
+            raise bad_param("stream_options", "stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise bad_param("logit_bias", "logit_bias is not supported by this server; leave it out")
+        if isinstance(self.stop, list) and any(s == "" for s in self.stop) or self.stop == "":
+            raise bad_param("stop", "stop strings must be non-empty")
+        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
+            raise bad_param("stop_token_ids", "stop_token_ids must be >= 0")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def sampling_params(self, max_tokens: int, *, logprobs: int | None, choice: int = 0) -> SamplingParams:
+        """SamplingParams of choice `choice` (0-based) of this request; raises EngineError on bad combinations."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=None if self.seed is None else (self.seed + choice) % 2**64,   # numpy wants seeds >= 0
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop_list,
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+
+
+PromptInput = Union[str, list[int], list[str], list[list[int]]]
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: PromptInput
+    max_tokens: Optional[int] = Field(16, ge=1)              # OpenAI's default for completions
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_param("best_of", f"best_of {self.best_of} is not supported (only best_of == n); leave it out")
+        if self.suffix:
+            raise bad_param("suffix", "suffix (insertion) is not supported by this server; leave it out")
+        if self.echo and self.logprobs is not None:
+            raise bad_param("logprobs", "echo with logprobs needs prompt logprobs, which this server does not "
+                            "compute")
+        if isinstance(self.prompt, list) and (not self.prompt or any(len(p) == 0 for p in self.prompt
+                                                                     if isinstance(p, (str, list)))):
+            raise bad_param("prompt", "prompt must not be empty")
+        return self
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts of this request: one for a string or a token-id list, several for a list of those."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, tool_call_id) go to the chat template as they are.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+
+    def as_template_dict(self, index: int) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"content part of type {part.type!r} is not supported; this model reads text "
+                                   "only (type 'text')", param=f"messages[{index}].content[{j}].type",
+                                   code="invalid_value")
+            d["content"] = "\n".join(part.text for part in self.content)
+        return d
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_param("top_logprobs", "top_logprobs needs logprobs set to true")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_param("response_format", "response_format other than {'type': 'text'} is not supported; "
+                            "leave it out")
+        if self.tools:
+            raise bad_param("tools", "tools are not supported by this server; leave them out")
+        if isinstance(self.tool_choice, dict):
+            raise bad_param("tool_choice", "tool_choice naming a tool is not supported (no tools); leave it out")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_dict(i) for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_param("prompt", "give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 from pydantic's errors (FastAPI's RequestValidationError), naming the first bad field."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
+    # Union members add their type name to the location (prompt.str, prompt.list[int]); keep the field path.
+    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
+    param = ".".join(loc) or None
+    kind = e.get("type", "")
+    if kind == "extra_forbidden":
+        msg = f"unsupported field {param!r}: this server cannot honour it; remove it"
+    elif kind == "json_invalid":
+        msg, param = f"the body is not valid JSON: {e.get('msg')}", None
+    elif kind == "missing":
+        msg = f"{param!r} is a required field" if param else "the request has no body; send a JSON object"
+    else:
+        msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+        if param:
+            msg = f"{param}: {msg}"
+    return APIError(msg, param=param, code="invalid_value" if kind != "extra_forbidden" else "unsupported_field")
