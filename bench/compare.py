@@ -207,7 +207,10 @@ def write(args: argparse.Namespace, result: dict, t0: float, *, partial: bool, k
     result["goals"] = report.goals(result)
     outputs = [(Path(args.results), json.dumps(result, indent=1) + "\n")]
     if args.output:
-        outputs.append((Path(args.output), report.markdown(result)))
+        text = report.markdown(result)
+        if report is compare_report:   # BENCHMARKS.md: SmolLM2's report, then a section per real-size model
+            text += "\n" + compare_gguf_report.sections(Path(args.results).parent)
+        outputs.append((Path(args.output), text))
     for path, text in outputs:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

@@ -9,7 +9,9 @@ read in that round; an engine at 1.0x of it decodes as fast as its weights can b
 """
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 from bench.compare_report import ok
 
@@ -137,3 +139,13 @@ def markdown(result: dict) -> str:
             "| package | version |", "|---|---|"]
     out += [f"| {k} | {v or 'not installed'} |" for k, v in result["versions"].items()]
     return "\n".join(out) + "\n"
+
+
+def sections(results_dir: Path) -> str:
+    """The reports of every compare_<model>.json in `results_dir`, headings one level down: BENCHMARKS.md's section
+    per real-size model, after SmolLM2's report."""
+    out = []
+    for path in sorted(results_dir.glob("compare_*.json")):
+        text = markdown(json.loads(path.read_text()))
+        out += [("#" + line if line.startswith("#") else line) for line in text.splitlines()] + [""]
+    return "\n".join(out)

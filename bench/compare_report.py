@@ -288,8 +288,9 @@ def ratio_tables(result: dict) -> str:
     return "\n".join(out)
 
 
-def markdown(result: dict) -> str:
-    s, m = result["settings"], result["machine"]
+def _header(result: dict) -> list[str]:
+    """The title, the run and its load."""
+    s = result["settings"]
     busy = [r for r in result["records"] if r.get("busy")]
     loads = [x for r in result["records"] for x in (r.get("load_before"), r.get("load_after")) if x is not None]
     out = ["# Benchmarks: engine vs transformers, onnxruntime-genai and llama.cpp", ""]
@@ -310,6 +311,41 @@ def markdown(result: dict) -> str:
                 f"{len(result['records'])} steps ({', '.join(r['name'] for r in busy)}). Other processes shared the "
                 "cores, so these figures are noisy and low; the \"CPU threads used\" column shows how much CPU each "
                 "measurement actually got (about the thread count when nothing competes)."]
+    return out
+
+
+def _machine_and_method(result: dict) -> list[str]:
+    m = result["machine"]
+    out = []
+    out += ["## Machine and versions", "",
+            f"{m.get('cpu', '?')}, {m.get('logical_cpus')} logical CPUs, {m.get('memory_GiB', '?')} GiB, ISA: "
+            f"{m.get('isa', '?')}; Linux {m.get('kernel')}, Python {m.get('python')}, host {m.get('host')}.", "",
+            "| package | version |", "|---|---|"]
+    out += [f"| {k} | {v or 'not installed'} |" for k, v in result["versions"].items()]
+    out += ["", "## Method", "",
+            "`bench/compare.py` (orchestration, load average, this report), `bench/compare_measure.py` (each "
+            "measurement in a fresh process), `bench/compare_models.py` (the GGUF from `engine download`'s cache, the "
+            "HF dir transformers makes of it (bench/real_models.py); engines built with `engine build`, "
+            "onnxruntime-genai models with its model builder `-e cpu`, cached in `.cache/bench`). The methodology is "
+            "that of the anchor measurements (bench/anchors: `bench_hf.py`, `bench_ortgenai.py`, `bench_llamacpp.py`, "
+            "`bench_bandwidth.py`) and the token ids are theirs (`bench/prompt_ids.json`). llama.cpp runs only when "
+            "llama-cpp-python is installed; on Sapphire Rapids build it with AMX compiled out (docs/benchmarks.md; or set "
+            "`LLAMA_CPP_LIB_PATH` to such a build: its AMX path segfaults, llama.cpp issue 20824). Its rows: the "
+            "shipped Q4_1 GGUF (whose tied embedding, the lm_head, is Q8_0 in the file) and a Q8_0 made of it by "
+            "llama.cpp's own quantizer (the same weights on an 8-bit grid). The anchor table in "
+            "bench/anchors/README.md was measured on a Sapphire Rapids VM (AVX-512, AMX): where this machine's CPU "
+            "differs, compare the ratios within one run, "
+            "not figures across machines. The real-size models run with `python -m bench.compare --model "
+            "qwen2.5-coder-0.5b` (or `qwen2.5-coder-1.5b`): the engine's gguf and int4 builds, llama.cpp on the same "
+            "GGUF and onnxruntime-genai int4 taking turns, with the engine's bandwidth floor "
+            "(bench/compare_gguf.py); they write `bench/results/compare_<model>.json` and print their tables; "
+            "each such file present becomes a section below.", ""]
+    return out
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    out = _header(result)
     out += ["", "## Goals", "", goals_table(result["goals"]), "",
             "## Prefill and decode, batch 1", "",
             "Prefill = one forward pass over the prompt (transformers and `engine-api`: `generate` of 1 token); "
@@ -359,26 +395,6 @@ def markdown(result: dict) -> str:
                        f"**{floor['floor_tok_s']:.1f} tok/s** (the KV cache read, about 5% more at this context, "
                        "is not counted).")
         out.append("")
-    out += ["## Machine and versions", "",
-            f"{m.get('cpu', '?')}, {m.get('logical_cpus')} logical CPUs, {m.get('memory_GiB', '?')} GiB, ISA: "
-            f"{m.get('isa', '?')}; Linux {m.get('kernel')}, Python {m.get('python')}, host {m.get('host')}.", "",
-            "| package | version |", "|---|---|"]
-    out += [f"| {k} | {v or 'not installed'} |" for k, v in result["versions"].items()]
-    out += ["", "## Method", "",
-            "`bench/compare.py` (orchestration, load average, this report), `bench/compare_measure.py` (each "
-            "measurement in a fresh process), `bench/compare_models.py` (the GGUF from `engine download`'s cache, the "
-            "HF dir transformers makes of it (bench/real_models.py); engines built with `engine build`, "
-            "onnxruntime-genai models with its model builder `-e cpu`, cached in `.cache/bench`). The methodology is "
-            "that of the anchor measurements (bench/anchors: `bench_hf.py`, `bench_ortgenai.py`, `bench_llamacpp.py`, "
-            "`bench_bandwidth.py`) and the token ids are theirs (`bench/prompt_ids.json`). llama.cpp runs only when "
-            "llama-cpp-python is installed; on Sapphire Rapids build it with AMX compiled out (docs/benchmarks.md; or set "
-            "`LLAMA_CPP_LIB_PATH` to such a build: its AMX path segfaults, llama.cpp issue 20824). Its rows: the "
-            "shipped Q4_1 GGUF (whose tied embedding, the lm_head, is Q8_0 in the file) and a Q8_0 made of it by "
-            "llama.cpp's own quantizer (the same weights on an 8-bit grid). The anchor table in "
-            "bench/anchors/README.md was measured on a Sapphire Rapids VM (AVX-512, AMX): where this machine's CPU "
-            "differs, compare the ratios within one run, "
-            "not figures across machines. The real-size models run with `python -m bench.compare --model "
-            "qwen2.5-coder-0.5b` (or `qwen2.5-coder-1.5b`): the engine's gguf and int4 builds, llama.cpp on the same "
-            "GGUF and onnxruntime-genai int4 taking turns, with the engine's bandwidth floor "
-            "(bench/compare_gguf.py); they write `bench/results/compare_<model>.json` and print their tables.", ""]
+    out += _machine_and_method(result)
     return "\n".join(out)
+

@@ -99,6 +99,13 @@ def main() -> None:
               t_resume_total, "resumed_text_equals_uninterrupted": same}
     (ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / "state_checkpoint.json").write_text(json.dumps(result, indent=2) + "\n")
+    print_table(args, result)
+
+
+def print_table(args: argparse.Namespace, result: dict) -> None:
+    t_snapshot, t_write, t_read = result["snapshot_s"], result["write_s"], result["read_s"]
+    size, t_resume_total, t_uninterrupted = (result["state_file_bytes"], result["resume_until_all_finished_s"],
+                                             result["uninterrupted_s"])
     rows = [("requests in flight x (prompt + generated) tokens",
              f"{args.requests} x ({args.prompt_tokens} + {args.before})"),
             ("engine step (mean, during the run)", f"{result['step_s_mean'] * 1e3:.1f} ms"),
@@ -106,10 +113,10 @@ def main() -> None:
             ("write state file (JSON + fsync + rename)", f"{t_write * 1e3:.2f} ms"),
             ("state file size", f"{size / 1024:.1f} KiB"),
             ("read + validate state file", f"{t_read * 1e3:.2f} ms"),
-            ("resume: every request's next token (re-prefill)", f"{max(first_new.values()):.2f} s"),
+            ("resume: every request's next token (re-prefill)", f"{result['resume_until_every_next_token_s']:.2f} s"),
             (f"resume: all finished ({args.max_tokens - args.before} tokens left each)", f"{t_resume_total:.2f} s"),
             (f"uninterrupted run, all {args.max_tokens} tokens", f"{t_uninterrupted:.2f} s"),
-            ("resumed text == uninterrupted text (greedy)", str(same))]
+            ("resumed text == uninterrupted text (greedy)", str(result["resumed_text_equals_uninterrupted"]))]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"| {name:<{width}} | {value:>16} |")

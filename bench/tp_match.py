@@ -67,7 +67,7 @@ def measure(reference: Path, engine: Path, prompt_len: int, steps: int) -> dict:
     a, b = np.stack(ref_logits), np.stack(logits)
     diff = b - a
     first = next((i for i, (x, y) in enumerate(zip(own, ref_tokens)) if x != y), None)
-    return {"reference": str(reference), "engine": str(engine), "prompt_tokens": len(ids), "steps": steps,
+    return {"reference": reference.name, "engine": engine.name, "prompt_tokens": len(ids), "steps": steps,
             "max_abs_diff": float(np.abs(diff).max()), "rms_diff": float(np.sqrt((diff ** 2).mean())),
             "logit_rms": float(np.sqrt((a ** 2).mean())),
             "top1_agreement": float(np.mean(a.argmax(-1) == b.argmax(-1))),

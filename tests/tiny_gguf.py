@@ -77,18 +77,39 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
                     kinds: dict[str, str] | None = None, name: str | None = None) -> dict[str, torch.Tensor]:
     """Write the tiny `arch` model to `path`; `rope_scaling` = (type, factor) adds llama.cpp's rope.scaling keys;
     `kinds` overrides MIX's kind of some projections with qtype "mix" (e.g. {"o_proj": "IQ4_NL"}); `name`
-    overrides general.name."""
+    overrides general.name. Returns the tensors as transformers reads them back (HF names)."""
     import gguf
 
     spec = SPECS[arch]
-    hd, gguf_arch = spec["head_dim"], spec.get("arch", arch)
+    gguf_arch = spec.get("arch", arch)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok_dir = path.parent / f".{path.stem}-tokenizer"
     tok_dir.mkdir(exist_ok=True)
     tokens, types, merges = _tokenizer(tok_dir)
-    vocab = len(tokens)
-
     gen = np.random.default_rng(seed)
+    hf = _hf_tensors(spec, len(tokens), gen)
+
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    w.add_name(name or spec.get("name", f"tiny {arch}"))
+    _write_hparams(w, arch, rope_scaling)
+    _write_tokenizer(w, tokens, types, merges)
+    stored: dict[str, torch.Tensor] = {}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()], LAYERS)  # llama.cpp's own HF -> GGUF names
+    mix = {**MIX, **FUSED_MIX, **(kinds or {})} if qtype == "mix" else {}
+    for hf_name, value in hf.items():
+        quant = getattr(gguf.GGMLQuantizationType, mix.get(hf_name.split(".")[-2], "F32") if qtype == "mix" else qtype)
+        gguf_name = names.get_name(hf_name.rsplit(".", 1)[0]) + "." + hf_name.rsplit(".", 1)[1]
+        stored[hf_name] = _add_tensor(w, spec, gguf_arch, hf_name, gguf_name, value, quant, gen)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def _hf_tensors(spec: dict, vocab: int, gen: np.random.Generator) -> dict[str, np.ndarray]:
+    """The model's random weights under their Hugging Face names."""
+    hd = spec["head_dim"]
     rand = lambda *shape: (gen.standard_normal(shape) * 0.1).astype(np.float32)  # noqa: E731
     one = 0 if spec.get("gemma") else 1   # Gemma's RMSNorm multiplies by 1 + w: its weights are near 0
     hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": rand(vocab, HIDDEN),
@@ -118,11 +139,11 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
                                                                   for x in "qkv"])
             hf[p + "mlp.gate_up_proj.weight"] = np.concatenate([hf.pop(p + "mlp.gate_proj.weight"),
                                                                 hf.pop(p + "mlp.up_proj.weight")])
+    return hf
 
-    w = gguf.GGUFWriter(str(path), gguf_arch)
-    w.add_name(name or spec.get("name", f"tiny {arch}"))
-    _write_hparams(w, arch, rope_scaling)
-    w.add_vocab_size(vocab)
+
+def _write_tokenizer(w, tokens: list[str], types: list[int], merges: list[str]) -> None:
+    w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -134,41 +155,34 @@ def write_tiny_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0,
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 
-    stored: dict[str, torch.Tensor] = {}
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf_arch.upper()], LAYERS)  # llama.cpp's own HF -> GGUF names
-    for name, value in hf.items():
-        kinds = {**MIX, **FUSED_MIX, **(kinds or {})} if qtype == "mix" else {}
-        quant = getattr(gguf.GGMLQuantizationType, kinds.get(name.split(".")[-2], "F32") if qtype == "mix" else qtype)
-        data = value
-        if gguf_arch == "llama" and name.endswith("q_proj.weight"):
-            data = _permute(value, HEADS, HEADS)
-        elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
-            data = _permute(value, HEADS, KV_HEADS)
-        gguf_name = names.get_name(name.rsplit(".", 1)[0]) + "." + name.rsplit(".", 1)[1]
-        if spec.get("gemma") and name.endswith("norm.weight"):
-            # llama.cpp stores Gemma's norms as 1 + w; transformers takes 1 back off, in float32
-            data = value + np.float32(1)
-            w.add_tensor(gguf_name, data)
-            stored[name] = torch.from_numpy(data - np.float32(1))
-        elif value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:  # llama.cpp keeps 1-D tensors in F32
-            w.add_tensor(gguf_name, data)
-            stored[name] = torch.from_numpy(value.copy())
-        elif quant == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(gguf_name, data.astype(np.float16))
-            stored[name] = torch.from_numpy(value.astype(np.float16).astype(np.float32))
-        elif quant.name in RANDOM_BLOCKS:   # a kind gguf cannot quantize: random blocks, stored as they dequantize
-            raw = _random_blocks(quant.name, value.shape, gen)
-            w.add_tensor(gguf_name, raw, raw_dtype=quant)
-            stored[name] = torch.from_numpy(gguf.quants.dequantize(raw, quant).copy())
-        else:
-            w.add_tensor(gguf_name, gguf.quants.quantize(data, quant), raw_dtype=quant)
-            # quantization rounds per block of a row; permuting rows first does not change any row's values
-            stored[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value, quant), quant).copy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return stored
+
+def _add_tensor(w, spec: dict, gguf_arch: str, name: str, gguf_name: str, value: np.ndarray, quant,
+                gen: np.random.Generator) -> torch.Tensor:
+    """Write one tensor as `quant`; return its values as a GGUF reader gets them back."""
+    import gguf
+    data = value
+    if gguf_arch == "llama" and name.endswith("q_proj.weight"):
+        data = _permute(value, HEADS, HEADS)
+    elif gguf_arch == "llama" and name.endswith("k_proj.weight"):
+        data = _permute(value, HEADS, KV_HEADS)
+    if spec.get("gemma") and name.endswith("norm.weight"):
+        # llama.cpp stores Gemma's norms as 1 + w; transformers takes 1 back off, in float32
+        data = value + np.float32(1)
+        w.add_tensor(gguf_name, data)
+        return torch.from_numpy(data - np.float32(1))
+    if value.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:  # llama.cpp keeps 1-D tensors in F32
+        w.add_tensor(gguf_name, data)
+        return torch.from_numpy(value.copy())
+    if quant == gguf.GGMLQuantizationType.F16:
+        w.add_tensor(gguf_name, data.astype(np.float16))
+        return torch.from_numpy(value.astype(np.float16).astype(np.float32))
+    if quant.name in RANDOM_BLOCKS:   # a kind gguf cannot quantize: random blocks, stored as they dequantize
+        raw = _random_blocks(quant.name, value.shape, gen)
+        w.add_tensor(gguf_name, raw, raw_dtype=quant)
+        return torch.from_numpy(gguf.quants.dequantize(raw, quant).copy())
+    w.add_tensor(gguf_name, gguf.quants.quantize(data, quant), raw_dtype=quant)
+    # quantization rounds per block of a row; permuting rows first does not change any row's values
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value, quant), quant).copy())
 
 
 def _write_hparams(w, arch: str, rope_scaling: tuple[str, float] | None) -> None:

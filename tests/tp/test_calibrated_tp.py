@@ -31,7 +31,7 @@ GROUP_TP4 = {**GROUP, "int4_awq": 16}
 CASES = [(LLAMA, "fp8", False, 2), (LLAMA, "int4_awq", False, 2), (LLAMA, "int8_sq", False, 2),
          (QWEN2, "fp8", True, 2), (QWEN2, "int4_awq", True, 2), (QWEN2, "int8_sq", True, 2),
          (GEMMA3, "int4_awq", False, 2), (GEMMA3, "int8_sq", False, 2),
-         (MQA, "fp8", False, 4), (MQA, "int8_sq", False, 4), (LLAMA, "int4_awq", False, 4)]
+         (MQA, "fp8", False, 4), (MQA, "int8_sq", False, 4), (LLAMA, "int4_awq", False, 4), (GEMMA3, "fp8", False, 4)]
 # the MQA model's one KV head is copied to both ranks, and with it the scales of an int8 KV cache
 KV_CACHE = {MQA: "int8"}
 
@@ -54,7 +54,7 @@ def test_calibrated_tp_matches_tp1(tiny, key, mode, lm_head, tp):
     session = TPSession(_engine(tiny, key, mode, tp, lm_head, group), num_blocks=64)
     try:
         check_same_as_tp1(reference, session, prompts(3, (5, 13, 30), seed=5), steps=6, what=f"{key} {mode} tp={tp}",
-                          dtype="int8_activations" if mode == "int8_sq" else "float32")
+                          decode_dtype="int8_activations" if mode == "int8_sq" else None)
     finally:
         session.close()
 
