@@ -8,7 +8,8 @@
     checkpoint's and the source's digests        all inside a temporary sibling, renamed when complete
     quantized (QuantConfig.mode): the projections are quantized while the graph is built (RTN at build, from the
         float checkpoint; int8_sq / fp8 / int4_awq are first calibrated with ModelOpt on a torch model of the checkpoint,
-        quantization/calibrate.py); then an unquantized reference engine is built in a second temporary sibling, both are
+        quantization/modelopt_calibration.py); then an unquantized reference engine is built in a second temporary
+        sibling, both are
         scored on held-out tokens (quantization/accuracy.py), the report goes into config.json, and
         --max-ppl-increase can fail the build before anything is renamed into place
 """
@@ -30,9 +31,9 @@ from engine.plugins import native, quant_matmul
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, check_gate
 from engine.quantization.gguf_tensor import dequantized_note
-from engine.quantization import calibrated as calib
+from engine.quantization import calibrated_weights as calib
 from engine.quantization import kv_cache
-from engine.quantization.calibrate import CalibrationOptions, calibrate
+from engine.quantization.modelopt_calibration import CalibrationOptions, calibrate
 from engine.quantization.weight_only import BITS, block_grid
 from engine.runtime.engine_dir import backend_version, toolchain_version
 from engine.runtime.trt_session import import_tensorrt
@@ -263,7 +264,8 @@ def _resolve_backend(ckpt: CheckpointConfig, build: BuildConfig, plugins: Plugin
 
 def _calibrate(ckpt_dir: Path, ckpt: CheckpointConfig, config: EngineConfig,
                calibration: CalibrationOptions | None, reference: ReferenceEngine) -> tuple[EngineConfig, dict | None]:
-    """Calibrate a calibrated --dtype (ModelOpt, quantization/calibrate.py) and a quantized KV cache (K/V absmax,
+    """Calibrate a calibrated --dtype (ModelOpt, quantization/modelopt_calibration.py) and a quantized KV cache (K/V
+    absmax,
     quantization/kv_cache.py), both on a torch model of the float checkpoint; returns the config that records
     them and the calibrated projections by canonical name (None when no mode is calibrated)."""
     quant, build = config.quantization, config.build

@@ -26,7 +26,7 @@ from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.core.tensors import logical_shapes, rank_elements, rank_shape, split_name
 from engine.core.sharding import PACKED
 from engine.plugins import bf16_matmul, gguf_tiles, quant_matmul
-from engine.quantization import calibrated, kv_cache, modes
+from engine.quantization import calibrated_weights, kv_cache, modes
 from engine.quantization.weight_only import BITS, stored_bytes
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -80,7 +80,7 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
         return rank_weight_elements(model, tp, max_seq_len) * compute
-    if quant.mode in calibrated.CALIBRATED:
+    if quant.mode in calibrated_weights.CALIBRATED:
         return _calibrated_bytes(model, tp, max_seq_len, quant, runs_quant_matmul(quant, plugins))
     if quant.mode == modes.GGUF:
         return _gguf_bytes(model, max_seq_len, quant)
@@ -125,9 +125,10 @@ def _gguf_bytes(model: ModelConfig, max_seq_len: int, quant: QuantConfig) -> int
 
 
 def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig, packed: bool) -> int:
-    """Calibrated modes: one rank's packed projections at their precision (quantization/calibrated.py; int4_awq's as
+    """Calibrated modes: one rank's packed projections at their precision (quantization/calibrated_weights.py;
+    int4_awq's as
     QuantMatMul's when `packed`); a tied embedding with a quantized lm_head reads the lm_head's table (at tp > 1 a
-    whole copy of it, beside the rank's vocabulary shard: calibrated.shard_calibrated)."""
+    whole copy of it, beside the rank's vocabulary shard: calibrated_weights.shard_calibrated)."""
     compute = DTYPE_BYTES["float32"]
     total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
     h = model.hidden_size
@@ -140,7 +141,7 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
     def projection(n: int, k: int) -> int:   # values, scales and the AWQ / SmoothQuant input scale
         if awq_packed:
             return quant_matmul.stored_bytes(n, k, 4, quant.group_size) + 4 * k
-        return calibrated.stored_bytes(quant.mode, n, k, quant.group_size)
+        return calibrated_weights.stored_bytes(quant.mode, n, k, quant.group_size)
 
     for n, k in shapes:  # int4_awq layers that keep the checkpoint's blocks store them as int4_wo does
         if quant.source_grid:
@@ -150,7 +151,7 @@ def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
             one = projection(n, k)
         total += model.num_layers * one
     tied = model.tie_word_embeddings
-    shared = quant.quantize_lm_head and tied and quant.mode in calibrated.SHARED_TABLE
+    shared = quant.quantize_lm_head and tied and quant.mode in calibrated_weights.SHARED_TABLE
     shapes = logical_shapes(model)
     if tied and tp > 1:   # lm_head's vocabulary shards
         shapes["lm_head.weight"] = shapes["vocab_embedding.weight"]

@@ -39,7 +39,7 @@ float weights. Embeddings and lm_head stay float32 unless quantize_lm_head (at t
 and the one table a tied model stores for both.
 
 Calibrated modes (int8_sq, fp8, int4_awq): the tensors arrive with ModelOpt's quantized projections laid over the
-checkpoint's (quantization/calibrated.py) and are lowered by plugins/calibrated_linear.py (int4_awq layers that
+checkpoint's (quantization/calibrated_weights.py) and are lowered by plugins/calibrated_linear.py (int4_awq layers that
 keep the checkpoint's 4-bit blocks, source_grid, are lowered as int4_wo's; only lm_head is calibrated); with
 quantize_lm_head a tied embedding reads the quantized lm_head's table (builder/vocab_tables.py).
 
@@ -69,7 +69,7 @@ from engine.plugins.graph import MS_DOMAIN, Graph
 from engine.plugins.linear import linear
 from engine.plugins.rms_norm import add_rms_norm, rms_norm
 from engine.plugins.rotary import rotary, rotary_tables
-from engine.quantization.calibrated import CALIBRATED
+from engine.quantization.calibrated_weights import CALIBRATED
 from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
 from engine.quantization.modes import GGUF, INT8_HEAD_GROUP
 from engine.quantization.weight_only import BITS, WeightOnlyScheme
@@ -90,7 +90,8 @@ class _Builder(VocabTables):
         assert not self.kv_quantized or quant.kv_cache, "a quantized KV cache needs its calibrated scales"
         self.kv_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8,
                         "fp8": TensorProto.UINT8}[self.kv_dtype]
-        # calibrated modes: `tensors` is a quantization.calibrated.CalibratedTensors holding the scales; int4_awq
+        # calibrated modes: `tensors` is a quantization.calibrated_weights.CalibratedTensors holding the scales;
+        # int4_awq
         # layers that keep the checkpoint's 4-bit blocks (source_grid) are not calibrated, only its lm_head is
         self.calibrated = quant.mode in CALIBRATED
         self.scheme = (WeightOnlyScheme(4 if quant.source_grid else BITS[quant.mode], quant.group_size,

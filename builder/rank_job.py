@@ -18,7 +18,7 @@ from engine.core.artifacts import load_checkpoint_config
 from engine.core.engine_format import BuildConfig, PluginConfig, engine_file
 from engine.core.model_config import QuantConfig
 from engine.plugins.graph import uses_engine_kernels
-from engine.quantization import calibrated as calib
+from engine.quantization import calibrated_weights as calib
 
 from . import onnxruntime_backend as ortb
 from . import tensorrt_backend as trtb
@@ -37,7 +37,7 @@ class RankJob:
     plugins: PluginConfig
     quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
     trt: trtb.TensorRTOptions = dataclasses.field(default_factory=trtb.TensorRTOptions)
-    calibrated: dict | None = None  # calibrated projections by canonical name (quantization/calibrated.py)
+    calibrated: dict | None = None  # calibrated projections by canonical name (quantization/calibrated_weights.py)
 
 
 def build_rank(job: RankJob) -> int:

@@ -23,7 +23,7 @@ from engine.plugins.bf16_matmul import bf16_gather, bf16_linear
 from engine.plugins.calibrated_linear import calibrated_gather, calibrated_linear
 from engine.plugins.gguf_tiles import gguf_gather, gguf_node
 from engine.plugins.linear import linear, quantized_gather, quantized_linear
-from engine.quantization.calibrated import EMBEDDING_TABLE, SHARED_TABLE
+from engine.quantization.calibrated_weights import EMBEDDING_TABLE, SHARED_TABLE
 from engine.quantization.weight_only import QuantizedWeight, quantize
 
 
@@ -60,7 +60,8 @@ class VocabTables:
         head = Head(tied, embedding.shape, float_tiles)
         if self.calibrated and self.q.quantize_lm_head and m.tie_word_embeddings and self.q.mode in SHARED_TABLE:
             # the embedding reads the quantized lm_head's table (stored once); the float embedding is dropped. At
-            # tp > 1 it reads a whole copy of that table (quantization/calibrated.shard_calibrated), lm_head its shard
+            # tp > 1 it reads a whole copy of that table (quantization/calibrated_weights.shard_calibrated), lm_head
+            # its shard
             name = f"{EMBEDDING_TABLE}.weight" if self.tp > 1 else "lm_head.weight"
             table = self.t.pop_calibrated(name, self.q.mode, self.q.group_size)
             head.shared_calibrated = None if self.tp > 1 else table

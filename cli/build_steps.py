@@ -27,7 +27,7 @@ from engine.core.errors import EngineError
 from engine.core.model_config import QuantConfig
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions
-from engine.quantization.calibrate import CalibrationOptions
+from engine.quantization.modelopt_calibration import CalibrationOptions
 from engine.quantization.kv_cache import KV_CALIBRATION, QUANTIZED as KV_QUANTIZED, resolve_kv_cache_dtype
 
 from .flags_file import recorded_flags

@@ -21,7 +21,7 @@ log = logging.getLogger("engine.cli")
 
 def distributed_from_env(timeout_s: float):
     """The DistributedConfig of this process from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (spawn if unset)."""
-    from engine.runtime.tp.config import DistributedConfig
+    from engine.runtime.tp.distributed import DistributedConfig
     if timeout_s <= 0:
         raise EngineError(f"--tp-timeout {timeout_s:g} must be positive (seconds)", usage=True)
     env = os.environ

@@ -1,4 +1,4 @@
-"""Calibrated projections (quantization/calibrated.py): x [T, in] -> [T, out] with int8_sq, fp8 or int4_awq
+"""Calibrated projections (quantization/calibrated_weights.py): x [T, in] -> [T, out] with int8_sq, fp8 or int4_awq
 weights. Initializers are named by the canonical stem: "{stem}.weight", "{stem}.weights_scaling_factor",
 "{stem}.activation_scaling_factor", "{stem}.prequant_scaling_factor".
 
@@ -36,7 +36,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 
-from engine.quantization.calibrated import CalibratedWeight, pack_int4
+from engine.quantization.calibrated_weights import CalibratedWeight, pack_int4
 from engine.quantization.weight_only import QuantizedWeight
 
 from .graph import Graph

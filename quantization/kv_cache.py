@@ -28,7 +28,7 @@ import numpy as np
 from engine.core.errors import EngineError
 from engine.core.model_config import ModelConfig
 
-from .calibrate import CalibrationOptions, Sampler
+from .modelopt_calibration import CalibrationOptions, Sampler
 
 KV_CACHE_DTYPES = ("float32", "float16", "int8", "fp8")   # the names --kv-cache-dtype knows
 QUANTIZED = ("int8", "fp8")   # with calibrated scales; float16 pools store the values rounded, no scales
@@ -86,7 +86,7 @@ def calibrate_kv_scales(model: ModelConfig, tensors: Mapping[str, np.ndarray], d
                         tokenizer_dir: Path, start_token: int | None, max_positions: int, sample: Sampler) -> dict:
     """The config.json record of the KV scales (see the module docstring); `sample` as calibrate.calibration_tokens."""
     assert dtype in QUANTIZED, dtype
-    from .calibrate import _batches, calibration_tokens
+    from .modelopt_calibration import _batches, calibration_tokens
     from .torch_model import CanonicalLM
 
     lm = CanonicalLM(model, tensors, max_positions).eval()

@@ -12,8 +12,10 @@
                to int8 per block of 32 as llama.cpp rounds them; the rest float32
     w4a8_awq, nvfp4    named, refused until implemented
 The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
-Calibrated modes (quantization/calibrate.py) calibrate the whole model once; a tp > 1 build shards the scales with
-the weights (quantization/calibrated.shard_calibrated); int8_sq's per-token activation scale takes the max over the
+Calibrated modes (quantization/modelopt_calibration.py) calibrate the whole model once; a tp > 1 build shards the
+scales with
+the weights (quantization/calibrated_weights.shard_calibrated); int8_sq's per-token activation scale takes the max
+over the
 ranks (core/engine_format.segment_reduces).
 
 Group size of int8_wo: 32, or the largest supported group below it that divides every quantized weight's in
@@ -45,7 +47,7 @@ from engine.core.errors import EngineError
 from engine.core.model_config import DTYPES, ModelConfig, QuantConfig, parse_dtype
 from engine.plugins import bf16_matmul
 
-from .calibrated import CALIBRATED
+from .calibrated_weights import CALIBRATED
 from .weight_only import BITS, GROUP_SIZES, check_group_size
 
 WEIGHT_ONLY = tuple(BITS)

@@ -96,7 +96,7 @@ class LLM:
         self.kv_plan: KVPlan = plan_kv_cache(self.config, kv_cache_mem_fraction=kv_cache_mem_fraction,
                                              max_kv_tokens=max_kv_tokens, kv_cache_bytes=kv_cache_memory_bytes)
         if self.config.mapping.world_size > 1:
-            # torch, imported only for tensor-parallel engines; `distributed` (runtime/tp/config.py): None spawns
+            # torch, imported only for tensor-parallel engines; `distributed` (runtime/tp/distributed.py): None spawns
             # the other ranks here, else this process is rank 0 of ranks started elsewhere (torchrun-style)
             from .tp.session import TPSession
             self.session = TPSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads,

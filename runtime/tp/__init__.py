@@ -9,6 +9,6 @@
 
 torch is imported only by group.py, and only once a tp > 1 engine is loaded: tp=1 runs stay torch-free.
 """
-from .config import DistributedConfig
+from .distributed import DistributedConfig
 
 __all__ = ["DistributedConfig"]

@@ -23,7 +23,7 @@ import numpy as np
 from engine.core.engine_format import MAX, SUM
 from engine.core.errors import EngineError
 
-from .config import DistributedConfig
+from .distributed import DistributedConfig
 
 READY, ERROR, NUM_BLOCKS = "engine/ready/{}", "engine/error/{}", "engine/num_blocks"
 

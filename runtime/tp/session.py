@@ -44,7 +44,7 @@ from engine.core.errors import EngineError
 from ..engine_dir import load_engine_config, verifying_files
 from ..step_inputs import SeqChunk, check_step, make_step_inputs, max_attention_rows
 from . import protocol
-from .config import DistributedConfig
+from .distributed import DistributedConfig
 from .group import NUM_BLOCKS, CollectiveError, Group, open_store, wait_for_ranks
 from .shard import open_shard
 

@@ -21,7 +21,7 @@ from engine.core.errors import EngineError
 from ..engine_dir import load_engine_config
 from ..step_inputs import make_step_inputs, max_attention_rows
 from . import protocol
-from .config import DistributedConfig
+from .distributed import DistributedConfig
 from .group import ERROR, NUM_BLOCKS, READY, Group, open_store
 from .shard import open_shard
 

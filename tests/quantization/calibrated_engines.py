@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.builder.build import build_engine
 from engine.core.model_config import QuantConfig
-from engine.quantization.calibrate import CalibrationOptions
+from engine.quantization.modelopt_calibration import CalibrationOptions
 from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, TinyEngines, slug
 
 from .engines import NO_REPORT

@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.builder.build import build_engine
 from engine.core.model_config import QuantConfig
-from engine.quantization.calibrate import CalibrationOptions
+from engine.quantization.modelopt_calibration import CalibrationOptions
 from engine.runtime.step_inputs import SeqChunk
 from tests.builder.engines import ALL_PLUGINS, NO_PLUGINS, TEST_BUILD, TinyEngines, slug
 from tests.quantization.engines import NO_REPORT

@@ -19,8 +19,8 @@ from engine.core.artifacts import load_checkpoint_config
 from engine.core.model_config import QuantConfig
 from engine.core.errors import EngineError
 from engine.quantization import modes
-from engine.quantization.calibrate import CalibrationOptions, calibrated_model, read_calibration_tokens
-from engine.quantization.calibrated import pack_int4, quantize_weight
+from engine.quantization.modelopt_calibration import CalibrationOptions, calibrated_model, read_calibration_tokens
+from engine.quantization.calibrated_weights import pack_int4, quantize_weight
 from engine.quantization.torch_model import CanonicalLM, KVCache
 from engine.quantization.weight_only import QuantizedWeight, signed_values
 from engine.runtime.engine_dir import load_engine_config

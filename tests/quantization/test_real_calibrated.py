@@ -19,7 +19,7 @@ from engine.builder.onnxruntime_backend import op_counts
 from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.core.model_config import QuantConfig
 from engine.quantization.accuracy import AccuracyOptions
-from engine.quantization.calibrate import CalibrationOptions
+from engine.quantization.modelopt_calibration import CalibrationOptions
 from tests.real_model import next_token_after_france
 
 from .engines import PROJECTION_OP, projections

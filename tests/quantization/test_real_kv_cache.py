@@ -14,7 +14,7 @@ import pytest
 from engine.builder.build import build_engine
 from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.quantization.accuracy import AccuracyOptions
-from engine.quantization.calibrate import CalibrationOptions
+from engine.quantization.modelopt_calibration import CalibrationOptions
 from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.session import EngineSession
 from tests.real_model import next_token_after_france

@@ -1,5 +1,6 @@
 """Calibrated modes (fp8, int8_sq, int4_awq) at tp 2 and 4: calibration runs once on the whole model and each rank
-takes its slice of the scales (quantization/calibrated.shard_calibrated), and int8_sq's per-token activation scale at
+takes its slice of the scales (quantization/calibrated_weights.shard_calibrated), and int8_sq's per-token activation
+scale at
 a row-parallel projection takes the max over the ranks, so a tp=N engine gives the tp=1 engine's logits of the same
 mode within float reassociation, and the same greedy tokens. Llama (2 KV heads, one a rank), Qwen2 (tied, biases;
 lm_head quantized: vocabulary-parallel scales, and a tied embedding reading the whole quantized table), Mistral MQA
@@ -13,7 +14,7 @@ import pytest
 
 from engine.builder.build import build_engine
 from engine.core.model_config import QuantConfig
-from engine.quantization.calibrated import quantize_weight, shard_calibrated
+from engine.quantization.calibrated_weights import quantize_weight, shard_calibrated
 from engine.runtime.session import EngineSession
 from engine.runtime.tp.session import TPSession
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, prompts, slug
@@ -106,8 +107,8 @@ def test_planned_weights_are_each_rank_s_initializers(tiny, key, mode, lm_head):
     from engine.builder.model_graph import build_graph
     from engine.builder.rank_tensors import rank_tensors
     from engine.core.artifacts import load_checkpoint_config
-    from engine.quantization.calibrate import calibrate
-    from engine.quantization.calibrated import CalibratedTensors
+    from engine.quantization.modelopt_calibration import calibrate
+    from engine.quantization.calibrated_weights import CalibratedTensors
     ckpt_dir = tiny.checkpoint(key)
     ckpt = load_checkpoint_config(ckpt_dir)
     build = dataclasses.replace(TEST_BUILD, tp_size=2)

@@ -17,7 +17,7 @@ import pytest
 
 from engine.core.errors import EngineError
 from engine.runtime.step_inputs import SeqChunk
-from engine.runtime.tp.config import DistributedConfig
+from engine.runtime.tp.distributed import DistributedConfig
 from engine.runtime.tp.session import TPSession
 
 KEY = "LlamaForCausalLM"
@@ -48,7 +48,7 @@ def test_killed_worker_fails_the_next_step_naming_it(tiny):
 def test_killed_rank0_makes_the_worker_exit_with_an_error(tiny, tmp_path):
     engine_dir = tiny.engine(KEY, tp_size=2)
     script = ("import sys, time\n"
-              "from engine.runtime.tp.config import DistributedConfig\n"
+              "from engine.runtime.tp.distributed import DistributedConfig\n"
               "from engine.runtime.tp.session import TPSession\n"
               f"s = TPSession({str(engine_dir)!r}, num_blocks=8, distributed=DistributedConfig(timeout_s=20))\n"
               "print(s._procs[1].pid, flush=True)\n"

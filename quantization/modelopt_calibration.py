@@ -10,14 +10,14 @@
         int4_awq  INT4_AWQ_CFG with its block size set to the build's group size: AWQ-lite input scales,
                   int4 weights per group of input features; layers that keep the checkpoint's 4-bit blocks
                   (QuantConfig.source_grid) are disabled, so only a quantized lm_head is calibrated, or nothing
-    ──▶ per projection: the smoothed / AWQ-scaled weight quantized with ModelOpt's amax (calibrated.py)
+    ──▶ per projection: the smoothed / AWQ-scaled weight quantized with ModelOpt's amax (calibrated_weights.py)
     tp > 1: calibrated once, as here, on the whole model; each rank job takes its slice of the result
         (calibrated.shard_calibrated: scales split with the weights they belong to, as TensorRT-LLM splits them)
 
 Why at build and not a separate `engine quantize` step: the checkpoint is the only input the build needs, the
 calibrated scales can never drift from the weights they belong to, and every registered family calibrates
 through one canonical torch model instead of a transformers model per family. The scales are stored in the engine
-next to their weights (calibrated.py names), and the build records the calibration data in config.json.
+next to their weights (calibrated_weights.py names), and the build records the calibration data in config.json.
 
 Activations of int8_sq are quantized dynamically at run time, one symmetric scale per token
 (plugins/calibrated_linear.py); ModelOpt's static per-tensor amax is not used, so only its smoothing and weight scales
@@ -39,7 +39,7 @@ import numpy as np
 from engine.core.errors import EngineError
 from engine.core.model_config import ModelConfig, QuantConfig
 
-from .calibrated import CALIBRATED, CalibratedWeight, quantize_weight
+from .calibrated_weights import CALIBRATED, CalibratedWeight, quantize_weight
 
 CONFIGS = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "fp8": "FP8_DEFAULT_CFG", "int4_awq": "INT4_AWQ_CFG"}
 INSTALL = "pip install 'engine[quantization]' (it installs nvidia-modelopt[hf])"
