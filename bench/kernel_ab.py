@@ -73,7 +73,11 @@ def main() -> None:
     ap.add_argument("--libs", required=True, help="comma-separated kernel libraries; the first is the baseline")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     a = ap.parse_args()
+    kinds = a.kinds.split(",")
+    if any(k not in KINDS for k in kinds):
+        raise SystemExit(f"--kinds {a.kinds!r}: each must be one of {', '.join(KINDS)}")
     libs = [Path(p) for p in a.libs.split(",")]
     for lib in libs:
         if not lib.is_file():
@@ -82,19 +86,19 @@ def main() -> None:
     sessions = []
     native.library = lambda: libs[0]
     spare = EngineSession(a.engine_dir, num_blocks=BLOCKS, threads=a.threads)   # see the docstring
-    for kind in KINDS:
+    for kind in kinds:
         run(spare, kind, s)
     for lib in libs:
         native.library = lambda lib=lib: lib   # each session registers its own library's ops
         sessions.append(EngineSession(a.engine_dir, num_blocks=BLOCKS, threads=a.threads))
     for session in sessions:                   # warm-up: first touch of the pools, ORT's first runs
-        for kind in KINDS:
+        for kind in kinds:
             run(session, kind, s)
     ms = {k: [[] for _ in libs] for k in KINDS}
     last: dict = {}
     for turn in range(a.turns):
         order = [(turn + i) % len(libs) for i in range(len(libs))]
-        for kind in KINDS:
+        for kind in kinds:
             for i in order:
                 time.sleep(0.02)
                 dt, last[kind, i] = run(sessions[i], kind, s)
@@ -104,7 +108,7 @@ def main() -> None:
     for i, lib in enumerate(libs):
         table.add_column(f"{'base' if i == 0 else f'#{i}'} {lib.parent.name[:8]}", justify="right")
     result = {"engine": str(a.engine_dir), "libs": [str(p) for p in libs], "turns": a.turns, "kinds": {}}
-    for kind in KINDS:
+    for kind in kinds:
         med = [float(np.median(v)) for v in ms[kind]]
         diff = [float(np.abs(last[kind, i] - last[kind, 0]).max()) for i in range(len(libs))]
         table.add_row(kind, *(f"{m:.3f} ms  {med[0] / m:.3f}x  |d| {d:.1e}" for m, d in zip(med, diff)))

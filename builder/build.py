@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -32,6 +33,7 @@ from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, check_gate
 from engine.quantization.gguf_tensor import dequantized_note
 from engine.quantization import calibrated_weights as calib
+from engine.quantization import calibration_cache
 from engine.quantization import kv_cache
 from engine.quantization.modelopt_calibration import CalibrationOptions, calibrate
 from engine.quantization.weight_only import BITS, block_grid
@@ -231,7 +233,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
         precision=precision_of(ckpt, build, quant, plugins), toolchain_version=toolchain_version(),
         backend_version=backend_version(build.backend))
     with atomic_output_dir(out_dir, force=force) as tmp, ReferenceEngine(ckpt_dir, config, tmp.parent) as reference:
-        config, calibrated = _calibrate(ckpt_dir, ckpt, config, calibration, reference)
+        config, calibrated = _calibrate(ckpt_dir, ckpt, config, calibration, reference, ckpt_digest)
         jobs = [RankJob(ckpt_dir, tmp, r, build, plugins, config.quantization, trt, calibrated=calibrated)
                 for r in range(build.tp_size)]
         _build_ranks(jobs, workers, progress)
@@ -262,30 +264,42 @@ def _resolve_backend(ckpt: CheckpointConfig, build: BuildConfig, plugins: Plugin
     return dataclasses.replace(build, opt_level="disable"), trtb.tensorrt_plugins(plugins), trt
 
 
-def _calibrate(ckpt_dir: Path, ckpt: CheckpointConfig, config: EngineConfig,
-               calibration: CalibrationOptions | None, reference: ReferenceEngine) -> tuple[EngineConfig, dict | None]:
-    """Calibrate a calibrated --dtype (ModelOpt, quantization/modelopt_calibration.py) and a quantized KV cache (K/V
-    absmax,
-    quantization/kv_cache.py), both on a torch model of the float checkpoint; returns the config that records
-    them and the calibrated projections by canonical name (None when no mode is calibrated)."""
+def _calibrate(ckpt_dir: Path, ckpt: CheckpointConfig, config: EngineConfig, calibration: CalibrationOptions | None,
+               reference: ReferenceEngine, checkpoint_digest: str) -> tuple[EngineConfig, dict | None]:
+    """Calibrate a calibrated --dtype (ModelOpt, quantization/modelopt_calibration.py; or reuse its --calib-cache
+    entry, calibration_cache.py) and a quantized KV cache (K/V absmax, quantization/kv_cache.py), both on a torch model
+    of the float checkpoint; returns the config that records them and the calibrated projections by canonical name
+    (None when no mode is calibrated)."""
     quant, build = config.quantization, config.build
     kv_quantized = build.kv_cache_dtype in kv_cache.QUANTIZED
     if quant.mode not in calib.CALIBRATED and not kv_quantized:
         return config, None
-    float_tensors = dict(rank_tensors(ckpt_dir, ckpt, 1, 0))
-    calibrated = None
-    if quant.mode in calib.CALIBRATED:
-        calibrated, record = calibrate(ckpt.model, float_tensors, quant, calibration or CalibrationOptions(),
-                                       ckpt_dir, ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
-        quant = dataclasses.replace(quant, calibration=record)
-        config = dataclasses.replace(config, quantization=quant)
+    opts = calibration or CalibrationOptions()
+    float_tensors = functools.cache(lambda: dict(rank_tensors(ckpt_dir, ckpt, 1, 0)))  # not read on a cache hit
+    # the KV cache first: ModelOpt's smoothing (int8_sq) and AWQ scale the torch model's weights in place, and
+    # they share memory with float_tensors
     if kv_quantized:
-        record = kv_cache.calibrate_kv_scales(ckpt.model, float_tensors, build.kv_cache_dtype,
+        record = kv_cache.calibrate_kv_scales(ckpt.model, float_tensors(), build.kv_cache_dtype,
                                               calibration or kv_cache.KV_CALIBRATION, ckpt_dir,
                                               ckpt.generation.bos_token_id, build.max_seq_len, reference.sample)
         quant = dataclasses.replace(quant, kv_cache_dtype=build.kv_cache_dtype, kv_cache=record)
         config = dataclasses.replace(config, quantization=quant,
                                      precision={**config.precision, "kv_cache": kv_cache.describe(record)})
+    calibrated = None
+    if quant.mode in calib.CALIBRATED:
+        def run() -> tuple[dict, dict]:
+            return calibrate(ckpt.model, float_tensors(), quant, opts, ckpt_dir, ckpt.generation.bos_token_id,
+                             build.max_seq_len, reference.sample)
+        if opts.cache is None:
+            calibrated, record = run()
+        else:
+            entry = calibration_cache.key(
+                checkpoint_digest, quant, opts, min(opts.max_seq_len, build.max_seq_len),
+                {"engine": toolchain_version(), "plugins": dataclasses.asdict(config.plugins),
+                 "opt_level": build.opt_level})
+            calibrated, record = calibration_cache.cached(opts.cache, entry, run)
+        quant = dataclasses.replace(quant, calibration=record)
+        config = dataclasses.replace(config, quantization=quant)
     return config, calibrated
 
 

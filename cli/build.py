@@ -63,6 +63,10 @@ CALIB_SIZE = typer.Option(None, "--calib-size", help="int8_sq, fp8, int4_awq, qu
                           show_default="512; 64 for a KV cache alone")
 CALIB_MAX_SEQ_LEN = typer.Option(None, "--calib-max-seq-len", help="int8_sq, fp8, int4_awq, quantized KV: tokens "
                                  "per calibration sequence.", show_default="512; 256 for a KV cache alone")
+CALIB_CACHE = typer.Option(None, "--calib-cache", help="int8_sq, fp8, int4_awq: a folder of calibrations to reuse. "
+                           "A build of the same checkpoint, mode and calibration options (at any --tp) takes its "
+                           "result from there instead of calibrating again; otherwise it calibrates and stores it "
+                           "there. Delete the folder to calibrate afresh.", show_default="calibrate every build")
 EVAL_DATA = typer.Option(None, "--eval-data", help="Quantized builds: held-out text file for the accuracy report.",
                          show_default="text sampled from the unquantized model itself (seeded)")
 EVAL_TOKENS = typer.Option(2048, "--eval-tokens", help="Quantized builds: held-out tokens scored for the accuracy "
@@ -124,6 +128,7 @@ def build_command(
     calib_data: Optional[Path] = CALIB_DATA,
     calib_size: Optional[int] = CALIB_SIZE,
     calib_max_seq_len: Optional[int] = CALIB_MAX_SEQ_LEN,
+    calib_cache: Optional[Path] = CALIB_CACHE,
     eval_data: Optional[Path] = EVAL_DATA,
     eval_tokens: int = EVAL_TOKENS,
     max_ppl_increase: Optional[float] = MAX_PPL_INCREASE,

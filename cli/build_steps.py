@@ -55,6 +55,7 @@ class BuildFlags:
     calib_data: Optional[Path]
     calib_size: Optional[int]
     calib_max_seq_len: Optional[int]
+    calib_cache: Optional[Path]
     eval_data: Optional[Path]
     eval_tokens: int
     max_ppl_increase: Optional[float]
@@ -163,6 +164,12 @@ def _check_quantization_flags(flags: BuildFlags, mode: str | None) -> None:
                           f"--dtype {' or '.join(modes.IMPLEMENTED)}", usage=True)
     calib_flags = {"--calib-data": flags.calib_data, "--calib-size": flags.calib_size,
                    "--calib-max-seq-len": flags.calib_max_seq_len}
+    if flags.calib_cache is not None and mode not in modes.CALIBRATED:
+        raise EngineError(f"--calib-cache applies to --dtype {', '.join(modes.CALIBRATED)}; --dtype {flags.dtype} "
+                          "calibrates no weights: leave it out", usage=True)
+    if flags.calib_cache is not None and flags.calib_cache.exists() and not flags.calib_cache.is_dir():
+        raise EngineError(f"--calib-cache {flags.calib_cache} is a file; pass a folder (it is created if missing)",
+                          usage=True)
     given = [flag for flag, value in calib_flags.items() if value is not None]
     if given and mode not in modes.CALIBRATED and not kv_quantized:
         raise EngineError(f"{', '.join(given)} apply to calibrated builds (--dtype {', '.join(modes.CALIBRATED)}, "
@@ -179,7 +186,8 @@ def _calibration(flags: BuildFlags, mode: str | None) -> CalibrationOptions:
     defaults = KV_CALIBRATION if kv_alone else CalibrationOptions()
     return CalibrationOptions(
         data=flags.calib_data, size=defaults.size if flags.calib_size is None else flags.calib_size,
-        max_seq_len=defaults.max_seq_len if flags.calib_max_seq_len is None else flags.calib_max_seq_len)
+        max_seq_len=defaults.max_seq_len if flags.calib_max_seq_len is None else flags.calib_max_seq_len,
+        cache=flags.calib_cache)
 
 
 def _tensorrt_options(flags: BuildFlags, backend: str) -> TensorRTOptions:

@@ -59,6 +59,7 @@ class CalibrationOptions:
     max_seq_len: int = 512     # tokens per sequence
     seed: int = 0
     batch_size: int = 8        # sequences per calibration forward
+    cache: Path | None = None  # --calib-cache: reuse or store the result there (calibration_cache.py)
 
     def __post_init__(self):
         if self.size < 1:

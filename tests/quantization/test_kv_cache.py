@@ -226,6 +226,16 @@ def test_int8_kv_with_quantized_weights(tiny, mode):
     assert 0 < err <= KV_RELATIVE_RMS["int8"], f"{mode} weights: int8 KV logits differ by {err:.2%} RMS from float KV"
 
 
+@pytest.mark.parametrize("mode", ["int8_sq", "int4_awq"])
+def test_kv_scales_are_the_float_model_s_whatever_the_weights(tiny, mode):
+    """ModelOpt's smoothing and AWQ scale the torch model's weights in place: the KV cache is calibrated first, on
+    the checkpoint's weights, so its scales are those of the engine whose weights are not quantized."""
+    pytest.importorskip("modelopt.torch.quantization", reason="calibrated with nvidia-modelopt")
+    key = "LlamaForCausalLM"
+    expected = load_engine_config(kv_engine(tiny, key)).quantization.kv_cache
+    assert load_engine_config(kv_engine(tiny, key, mode=mode)).quantization.kv_cache == expected
+
+
 @pytest.mark.parametrize("key, kv", [("LlamaForCausalLM", "int8"), ("MistralForCausalLM:mqa-no-window", "int8"),
                                      ("MistralForCausalLM:mqa-no-window", "fp8")])
 def test_tp2_quantized_kv_matches_tp1(tiny, key, kv):

@@ -42,7 +42,8 @@ def _engine(tiny, key: str, mode: str, tp: int, lm_head: bool, group: int | None
     if not d.exists():
         build = dataclasses.replace(TEST_BUILD, tp_size=tp, kv_cache_dtype=KV_CACHE.get(key, "float32"))
         build_engine(tiny.checkpoint(key), d, build, ALL_PLUGINS,
-                     accuracy=NO_REPORT, calibration=TINY_CALIBRATION,
+                     accuracy=NO_REPORT,  # tp 1 and tp N of a case calibrate once (--calib-cache)
+                     calibration=dataclasses.replace(TINY_CALIBRATION, cache=tiny.root / "calibrations"),
                      quant=QuantConfig(mode=mode, group_size=group, quantize_lm_head=lm_head))
     return d
 
