@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.core.errors import EngineError
 from engine.core.model_config import QuantConfig
 
 TENSORS, RECORD, DTYPES = "tensors.safetensors", "record.json", "dtypes.json"
@@ -76,8 +77,14 @@ def cached(cache_dir: Path, entry: str, calibrate: Callable[[], tuple[dict, dict
     if (path / RECORD).is_file():
         record = json.loads((path / RECORD).read_text())
         return _load(path), {**record, "reused_from": str(path)}
+    try:  # before calibrating: a folder that cannot hold the result should not cost a calibration
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise EngineError(f"--calib-cache {cache_dir}: cannot store a calibration there ({e.strerror}); pass a "
+                          "writable folder, or leave the flag out", usage=True) from None
     tensors, record = calibrate()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry}.", dir=path.parent))
     try:
         _save(tensors, tmp)

@@ -63,3 +63,5 @@ def test_calib_cache_flag_errors(tiny, tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("x")
     code, _, err = cli(monkeypatch, capsys, *base, "--dtype", "fp8", "--calib-cache", str(tmp_path / "file"))
     assert code == 2 and "is a file" in err and not (tmp_path / "e").exists()
+    code, _, err = cli(monkeypatch, capsys, *base, "--dtype", "fp8", "--calib-cache", str(tmp_path / "file" / "sub"))
+    assert code == 2 and "cannot store a calibration there" in err and not (tmp_path / "e").exists()
