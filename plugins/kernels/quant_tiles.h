@@ -161,17 +161,17 @@ constexpr int64_t kPrefetchBlocks = 16;
 // faster on a Zen 5 (prefetchnta at 5 KB 1.3-1.5x, prefetcht0 the same; bench/NOTES.md 56).
 constexpr int64_t kKQuantLead = 8192;
 
+// The `bytes` after `at` prefetched `lead` bytes ahead, a line at a time; Hint as __builtin_prefetch's locality.
+template <int Hint>
 inline void prefetch_ahead(const uint8_t* at, int64_t bytes, int64_t lead) {
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(at) + static_cast<uintptr_t>(lead);
   for (int64_t line = 0; line < bytes; line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(ahead + static_cast<uintptr_t>(line)), 0, 2);
+    __builtin_prefetch(reinterpret_cast<const void*>(ahead + static_cast<uintptr_t>(line)), 0, Hint);
 }
 
 template <int Hint = 3>
 inline void prefetch_block(const uint8_t* block, int64_t block_bytes) {
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(block) + static_cast<uintptr_t>(kPrefetchBlocks * block_bytes);
-  for (int64_t line = 0; line < block_bytes; line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(ahead + static_cast<uintptr_t>(line)), 0, Hint);
+  prefetch_ahead<Hint>(block, block_bytes, kPrefetchBlocks * block_bytes);
 }
 
 // q of column c (0..15) at k = kk (0..31) of one sub-block's bytes, as quant_matmul.cc's header comment lays them out.
@@ -352,13 +352,13 @@ void ktile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < j.groups; ++b) {
     const uint8_t* header = p;
-    if (stream) prefetch_ahead(header, kHeader + kSubScaleBytes, kKQuantLead);
+    if (stream) prefetch_ahead<2>(header, kHeader + kSubScaleBytes, kKQuantLead);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
     const uint8_t* sub_scales = header + kHeader;
     p += kHeader + kSubScaleBytes;
     for (int64_t s = 0; s < j.group / kSub; ++s, p += sub_bytes(Bits)) {
-      if (stream) prefetch_ahead(p, sub_bytes(Bits), kKQuantLead);
+      if (stream) prefetch_ahead<2>(p, sub_bytes(Bits), kKQuantLead);
       __m512i w[8];
       load_sub<Bits>(p, w);
       const int64_t ab = b * (j.group / kSub) + s;  // the activations' block
@@ -547,13 +547,13 @@ void ktile_half(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < j.groups; ++b) {
     const uint8_t* header = p;
-    if (half == 0) prefetch_ahead(header, kHeader + kSubScaleBytes, kKQuantLead);
+    if (half == 0) prefetch_ahead<2>(header, kHeader + kSubScaleBytes, kKQuantLead);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16 * half)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 32 + 16 * half)));
     const uint8_t* sub_scales = header + kHeader + 8 * half;
     p += kHeader + kSubScaleBytes;
     for (int64_t s = 0; s < j.group / kSub; ++s, p += sub_bytes(Bits)) {
-      if (half == 0) prefetch_ahead(p, sub_bytes(Bits), kKQuantLead);
+      if (half == 0) prefetch_ahead<2>(p, sub_bytes(Bits), kKQuantLead);
       __m256i w[8];
       load_half<Bits>(p, half, w);
       const int64_t ab = b * (j.group / kSub) + s;
