@@ -9,8 +9,7 @@
     quantized (QuantConfig.mode): the projections are quantized while the graph is built (RTN at build, from the
         float checkpoint; int8_sq / fp8 / int4_awq are first calibrated with ModelOpt on a torch model of the checkpoint,
         quantization/modelopt_calibration.py); then an unquantized reference engine is built in a second temporary
-        sibling, both are
-        scored on held-out tokens (quantization/accuracy.py), the report goes into config.json, and
+        sibling, both are scored on held-out tokens (quantization/accuracy.py), the report goes into config.json, and
         --max-ppl-increase can fail the build before anything is renamed into place
 """
 from __future__ import annotations

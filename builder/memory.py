@@ -126,9 +126,8 @@ def _gguf_bytes(model: ModelConfig, max_seq_len: int, quant: QuantConfig) -> int
 
 def _calibrated_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig, packed: bool) -> int:
     """Calibrated modes: one rank's packed projections at their precision (quantization/calibrated_weights.py;
-    int4_awq's as
-    QuantMatMul's when `packed`); a tied embedding with a quantized lm_head reads the lm_head's table (at tp > 1 a
-    whole copy of it, beside the rank's vocabulary shard: calibrated_weights.shard_calibrated)."""
+    int4_awq's as QuantMatMul's when `packed`); a tied embedding with a quantized lm_head reads the lm_head's table (at
+    tp > 1 a whole copy of it, beside the rank's vocabulary shard: calibrated_weights.shard_calibrated)."""
     compute = DTYPE_BYTES["float32"]
     total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
     h = model.hidden_size

@@ -91,8 +91,7 @@ class _Builder(VocabTables):
         self.kv_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8,
                         "fp8": TensorProto.UINT8}[self.kv_dtype]
         # calibrated modes: `tensors` is a quantization.calibrated_weights.CalibratedTensors holding the scales;
-        # int4_awq
-        # layers that keep the checkpoint's 4-bit blocks (source_grid) are not calibrated, only its lm_head is
+        # int4_awq layers that keep the checkpoint's 4-bit blocks (source_grid) are not calibrated, only its lm_head is
         self.calibrated = quant.mode in CALIBRATED
         self.scheme = (WeightOnlyScheme(4 if quant.source_grid else BITS[quant.mode], quant.group_size,
                                         quant.accuracy_level, quant.source_grid)

@@ -100,17 +100,16 @@ class Mapping:
 class QuantConfig:
     """Quantization of the weights, activations and KV cache; `None` modes mean unquantized.
 
-    Weight-only modes (quantization/modes.py): `group_size` input features share one scale; `quantize_lm_head`
-    also quantizes lm_head (and, when tied, the embedding table that shares it); `accuracy_level` is ORT
-    MatMulNBits' compute mode; `accuracy` is the build's perplexity report (quantization/accuracy.py); `calibration`
-    records the data of ModelOpt-calibrated modes (quantization/modelopt_calibration.py). `kv_cache_dtype` mirrors
-    BuildConfig's
-when the KV cache is quantized, and `kv_cache` records its scales. `source_grid`: int4_wo / int4_awq found every
-projection of the checkpoint already on 4-bit blocks of 32 (a GGUF Q4_1 source) and kept them exactly instead of RTN
-or AWQ (quantization/weight_only.block_grid). `lm_head_dtype` bfloat16 stores lm_head (and a tied embedding) in
-bfloat16 for the engine's Bf16MatMul instead of float32, int8 in blocks of 32 on llama.cpp's Q8_0 rule beside
-weight-only layers (neither with quantize_lm_head). `formats`: mode gguf's stored tensors kept as GGUF blocks, by
-name (a stacked q|k|v of mixed kinds by its parts' logical names), and their kinds."""
+    Weight-only modes (quantization/modes.py): `group_size` input features share one scale; `quantize_lm_head` also
+    quantizes lm_head (and, when tied, the embedding table that shares it); `accuracy_level` is ORT MatMulNBits' compute
+    mode; `accuracy` is the build's perplexity report (quantization/accuracy.py); `calibration` records the data of
+    ModelOpt-calibrated modes (quantization/modelopt_calibration.py). `kv_cache_dtype` mirrors BuildConfig's when the KV
+    cache is quantized, and `kv_cache` records its scales. `source_grid`: int4_wo / int4_awq found every projection of
+    the checkpoint already on 4-bit blocks of 32 (a GGUF Q4_1 source) and kept them exactly instead of RTN or AWQ
+    (quantization/weight_only.block_grid). `lm_head_dtype` bfloat16 stores lm_head (and a tied embedding) in bfloat16
+    for the engine's Bf16MatMul instead of float32, int8 in blocks of 32 on llama.cpp's Q8_0 rule beside weight-only
+    layers (neither with quantize_lm_head). `formats`: mode gguf's stored tensors kept as GGUF blocks, by name (a
+    stacked q|k|v of mixed kinds by its parts' logical names), and their kinds."""
     mode: str | None = None
     kv_cache_dtype: str | None = None
     group_size: int | None = None

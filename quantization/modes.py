@@ -13,10 +13,8 @@
     w4a8_awq, nvfp4    named, refused until implemented
 The KV cache's dtype is a separate build flag (--kv-cache-dtype, quantization/kv_cache.py), combinable with any mode.
 Calibrated modes (quantization/modelopt_calibration.py) calibrate the whole model once; a tp > 1 build shards the
-scales with
-the weights (quantization/calibrated_weights.shard_calibrated); int8_sq's per-token activation scale takes the max
-over the
-ranks (core/engine_format.segment_reduces).
+scales with the weights (quantization/calibrated_weights.shard_calibrated); int8_sq's per-token activation scale
+takes the max over the ranks (core/engine_format.segment_reduces).
 
 Group size of int8_wo: 32, or the largest supported group below it that divides every quantized weight's in
 features. TensorRT-LLM's int8_wo is per-channel (one scale per output row); MatMulNBits takes block sizes 16..256
