@@ -28,6 +28,8 @@ class APIError(Exception):
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        # What a client sent may reach a message; a lone surrogate in it would make the error body unencodable.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
         self.headers = headers or {}
@@ -42,9 +44,45 @@ def bad_param(param: str, message: str) -> APIError:
     return APIError(message, param=param, code="invalid_value")
 
 
+def lone_surrogate(value, path: str = "") -> tuple[str, tuple[int, int]] | None:
+    """(field path like messages[0].content, (position, code point)) of the first lone surrogate in parsed JSON,
+    in a string or a key; None when all of it is Unicode text."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, (e.start, ord(value[e.start]))
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and lone_surrogate(key) is not None:
+                return path or "body", lone_surrogate(key)[1]
+            if (found := lone_surrogate(item, inner)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := lone_surrogate(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
 class _Body(BaseModel):
     # JSON parsed by Python accepts NaN and Infinity; no sampling parameter means anything with them.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        # JSON may escape a lone surrogate ("\ud800"): Python keeps it, but no tokenizer or response can encode it.
+        where = lone_surrogate(data)
+        if where is not None:
+            path, at = where
+            raise bad_param(path, f"{path}: the text holds a lone UTF-16 surrogate (\\u{at[1]:04x} at character "
+                            f"{at[0]}), which is not Unicode; send a valid escape pair or the character itself")
+        return data
 
 
 class StreamOptions(_Body):
