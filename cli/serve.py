@@ -46,6 +46,13 @@ STATE_RESULT_TTL = typer.Option(600.0, "--state-result-ttl", help="Seconds a res
                                 "client after it finished (default 600).")
 MAX_BODY_BYTES = typer.Option(4 * 2**20, "--max-body-bytes", help="Largest request body accepted; larger ones are "
                               "answered 413 (bytes, default 4194304 = 4 MiB).")
+MAX_HEADER_BYTES = typer.Option(64 * 1024, "--max-header-bytes", help="Largest request line + headers accepted; "
+                                "larger ones are answered 431 and the connection closed (bytes, default 65536).")
+HEADER_TIMEOUT = typer.Option(10.0, "--header-timeout", help="Seconds a client has to send a request's headers, "
+                              "from its connection or its request's first byte; then 408 and the connection is "
+                              "closed (default 10).")
+KEEP_ALIVE_TIMEOUT = typer.Option(5.0, "--keep-alive-timeout", help="Seconds an idle keep-alive connection stays "
+                                  "open between requests (default 5).")
 STREAM_INTERVAL = typer.Option(1, "--stream-interval", help="Tokens per streamed chunk after the first: 1 (default) "
                                "sends every token; N sends every N-th, the chunk holding the N tokens since the "
                                "last (fewer SSE writes with many streams).")
@@ -65,6 +72,9 @@ def serve_command(
     state_checkpoint_interval: float = STATE_CHECKPOINT_INTERVAL,
     state_result_ttl: float = STATE_RESULT_TTL,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    header_timeout: float = HEADER_TIMEOUT,
+    keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
     stream_interval: int = STREAM_INTERVAL,
     kv_cache_mem_fraction: float = options.KV_CACHE_MEM_FRACTION,
     max_kv_tokens: Optional[int] = options.MAX_KV_TOKENS,
@@ -76,12 +86,14 @@ def serve_command(
     from engine.runtime import LLM
     from engine.runtime.server.app import create_app, run_server
     from engine.runtime.server.config import ServerConfig
+    from engine.runtime.server.http_limits import HTTPLimits
 
     _check_flags(port, stream_interval, threads, log_level, api_key)
     config = ServerConfig(engine_dir=engine_dir, served_model_name=served_model_name or engine_dir.resolve().name,
                           host=host, port=port, api_key=api_key, max_queue=max_queue,
                           scheduling_policy=scheduling_policy, shutdown_timeout=shutdown_timeout,
                           max_body_bytes=max_body_bytes,
+                          http=HTTPLimits(max_header_bytes, header_timeout, keep_alive_timeout),
                           state_dir=state_dir, state_checkpoint_interval=state_checkpoint_interval,
                           state_result_ttl=state_result_ttl)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")

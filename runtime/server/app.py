@@ -45,6 +45,7 @@ from .admission import ServerState
 from .body_limit import BodySizeLimit
 from .completions import OpenAIServing
 from .config import ServerConfig
+from .http_limits import HTTPLimits, limited_protocol
 from .metrics import ServerMetrics
 from .protocol import APIError, validation_error
 from .resume import StateKeeper
@@ -150,14 +151,19 @@ def uvicorn_config(app: FastAPI, **kwargs):
     """uvicorn.Config for `app` on httptools' HTTP parser and uvloop's event loop, as vLLM serves; the serve extra
     installs both. Every streamed token is an SSE chunk through the event loop, and on two cores that loop shares
     the CPUs with the engine: 32 streams ran 4-9% more tokens/s than on uvicorn's pure-Python h11 and asyncio's
-    loop, httptools most of it (bench/NOTES.md entry 48). Without them the server warns and runs on those."""
+    loop, httptools most of it (bench/NOTES.md entry 48). Without them the server warns and runs on those.
+    The connection limits (http_limits.py) are those of the app's ServerConfig, else the defaults."""
     import uvicorn
+    server = getattr(app.state, "server", None)
+    limits = server.config.http if server is not None else HTTPLimits()
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     if (http, loop) != ("httptools", "uvloop"):
         log.warning("httptools or uvloop is not installed: serving on %s and %s, which costs CPU per streamed "
                     "token; install them with pip install 'engine[serve]'", http, loop)
-    return uvicorn.Config(app, http=http, loop=loop, **kwargs)
+    protocol = limited_protocol(limits) if http == "httptools" else "h11"   # h11: no header timeout
+    return uvicorn.Config(app, http=protocol, loop=loop, timeout_keep_alive=limits.keep_alive_timeout_s,
+                          h11_max_incomplete_event_size=limits.max_header_bytes, **kwargs)
 
 
 def run_server(app: FastAPI, config: ServerConfig, log_level: str = "info") -> int:

@@ -7,6 +7,8 @@ from typing import Optional
 
 from engine.core.errors import EngineError
 
+from .http_limits import HTTPLimits
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -23,6 +25,7 @@ class ServerConfig:
     keepalive_s: float = 5.0             # SSE comment after this long without a token
     retry_after_s: int = 1
     max_body_bytes: int = 4 * 2**20      # larger request bodies are answered 413 (body_limit.py)
+    http: HTTPLimits = HTTPLimits()      # header size and time, idle connections (http_limits.py)
     state_dir: Optional[Path] = None     # checkpoints of the requests in flight, resumed on restart (resume.py)
     state_checkpoint_interval: float = 30.0
     state_result_ttl: float = 600.0      # seconds a resumed response is kept after it finished
