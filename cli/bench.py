@@ -64,6 +64,11 @@ def bench_command(
     max_num_tokens: Optional[int] = options.MAX_NUM_TOKENS,
     max_batch_size: Optional[int] = options.MAX_BATCH_SIZE,
     prefix_caching: bool = options.PREFIX_CACHING,
+    speculative: Optional[str] = options.SPECULATIVE,
+    num_speculative_tokens: Optional[int] = options.NUM_SPECULATIVE_TOKENS,
+    draft_engine_dir: Optional[Path] = options.DRAFT_ENGINE_DIR,
+    prompt_lookup_min: Optional[int] = options.PROMPT_LOOKUP_MIN,
+    prompt_lookup_max: Optional[int] = options.PROMPT_LOOKUP_MAX,
 ):
     """Measure an engine's throughput or latency: tokens/s, TTFT, TPOT, inter-token latency, memory."""
     from engine.runtime import LLM, Tokenizer
@@ -72,6 +77,8 @@ def bench_command(
     from engine.runtime.engine_dir import load_engine_config
 
     config = BenchConfig(mode=mode, concurrency=concurrency, warmup=warmup, seed=seed)
+    speculation = options.speculative_config(speculative, num_speculative_tokens, draft_engine_dir, prompt_lookup_min,
+                                             prompt_lookup_max)
     check_positive("--threads", threads)
     if report_json is not None and not report_json.absolute().parent.is_dir():
         raise EngineError(f"--report-json {report_json}: the directory {report_json.absolute().parent} does not "
@@ -84,7 +91,8 @@ def bench_command(
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     _log_warnings_to(err)
     llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens, threads=threads,
-              enable_prefix_caching=prefix_caching, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
+              enable_prefix_caching=prefix_caching, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
+              speculative_config=speculation)
     try:
         with progress_bar(f"{mode} benchmark", len(requests), enabled=not (no_progress or as_json)) as advance:
             report = run_benchmark(llm, requests, config, dataset=dataset, on_request_done=advance)
@@ -134,6 +142,10 @@ def summary_table(report) -> Table:
         *([("peak device memory (torch)", _mib(m.peak_device_bytes))] if m.peak_device_bytes is not None else []),
         ("engine steps / preemptions", f"{c.steps} / {c.preemptions}"),
         ("prefix-cache hit tokens", str(c.prefix_cache_hit_tokens)),
+        *([("speculation: drafts / tokens proposed / accepted", f"{sp.num_drafts} / {sp.num_draft_tokens} / "
+            f"{sp.num_accepted_tokens}"),
+           ("speculation: mean acceptance length, proposer time", f"{sp.mean_acceptance_length:.2f} tokens a step, "
+            f"{sp.propose_seconds:.2f} s")] if (sp := c.speculation) is not None else []),
     ]
     for row in rows:
         if row is None:

@@ -18,3 +18,29 @@ MAX_BATCH_SIZE = typer.Option(None, "--max-batch-size", help="Sequences per engi
                               "build limit).")
 PREFIX_CACHING = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV cache of prompt "
                               "prefixes shared between requests (default: on).")
+SPECULATIVE = typer.Option(None, "--speculative", help="Speculative decoding: ngram (prompt lookup: propose what "
+                           "followed the last tokens' earlier occurrence) or draft (a smaller engine with the same "
+                           "tokenizer proposes, --draft-engine-dir) (default: off).")
+NUM_SPECULATIVE_TOKENS = typer.Option(None, "--num-speculative-tokens", help="Tokens proposed a step, in [1, 16] "
+                                      "(default 4).")
+DRAFT_ENGINE_DIR = typer.Option(None, "--draft-engine-dir", help="--speculative draft: the draft engine's directory.")
+PROMPT_LOOKUP_MIN = typer.Option(None, "--prompt-lookup-min", help="--speculative ngram: shortest run of last "
+                                 "tokens matched (default 2).")
+PROMPT_LOOKUP_MAX = typer.Option(None, "--prompt-lookup-max", help="--speculative ngram: longest run of last "
+                                 "tokens matched, tried first (default 4).")
+
+
+def speculative_config(method: str | None, num_speculative_tokens: int | None, draft_engine_dir,
+                       prompt_lookup_min: int | None, prompt_lookup_max: int | None) -> dict | None:
+    """LLM's speculative_config from the flags above; an option given without --speculative is an error."""
+    from engine.core.errors import EngineError
+
+    given = {"num_speculative_tokens": num_speculative_tokens, "draft_engine_dir": draft_engine_dir,
+             "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
+    given = {k: v for k, v in given.items() if v is not None}
+    if method is None:
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise EngineError(f"{flag} needs --speculative ngram or --speculative draft", usage=True)
+        return None
+    return {"method": method, **given}

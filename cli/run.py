@@ -97,6 +97,11 @@ class RunFlags:
     prefix_caching: bool
     scheduling_policy: str
     priority: Optional[list[int]]
+    speculative: Optional[str]
+    num_speculative_tokens: Optional[int]
+    draft_engine_dir: Optional[Path]
+    prompt_lookup_min: Optional[int]
+    prompt_lookup_max: Optional[int]
 
 
 def run_command(
@@ -127,6 +132,11 @@ def run_command(
     prefix_caching: bool = options.PREFIX_CACHING,
     scheduling_policy: str = SCHEDULING_POLICY,
     priority: Optional[list[int]] = PRIORITY,
+    speculative: Optional[str] = options.SPECULATIVE,
+    num_speculative_tokens: Optional[int] = options.NUM_SPECULATIVE_TOKENS,
+    draft_engine_dir: Optional[Path] = options.DRAFT_ENGINE_DIR,
+    prompt_lookup_min: Optional[int] = options.PROMPT_LOOKUP_MIN,
+    prompt_lookup_max: Optional[int] = options.PROMPT_LOOKUP_MAX,
 ):
     """Generate from prompts with an engine: several prompts run together, with a summary of speeds."""
     flags = RunFlags(**locals())  # first: the parameters are all there is in locals()
@@ -188,7 +198,10 @@ def _load(flags: RunFlags, distributed):
                max_kv_tokens=flags.max_kv_tokens, threads=flags.threads,
                kv_cache_memory_bytes=_parse_bytes(flags.kv_cache_memory_bytes),
                enable_prefix_caching=flags.prefix_caching, scheduling_policy=flags.scheduling_policy,
-               max_num_tokens=flags.max_num_tokens, max_batch_size=flags.max_batch_size, distributed=distributed)
+               max_num_tokens=flags.max_num_tokens, max_batch_size=flags.max_batch_size, distributed=distributed,
+               speculative_config=options.speculative_config(flags.speculative, flags.num_speculative_tokens,
+                                                             flags.draft_engine_dir, flags.prompt_lookup_min,
+                                                             flags.prompt_lookup_max))
 
 
 def _generate(llm, flags: RunFlags, prompts: list, params, priorities: list[int]) -> list:
@@ -286,6 +299,9 @@ def _summary(results, wall: float, kv, stats) -> Table:
              f"of {kv.tokens_per_block}, {kv.num_bytes / (1 << 20):.1f} MiB); prefix cache hits "
              f"{stats.prefix_cache_hits} of {stats.prefix_cache_queries} prompt tokens; "
              f"{stats.preemptions} preemption(s)")
+    if (sp := stats.speculation) is not None:
+        title += (f"; speculation: {sp.num_accepted_tokens} of {sp.num_draft_tokens} proposed tokens accepted, "
+                  f"{sp.mean_acceptance_length:.2f} tokens a verified step")
     table = Table(title=title, title_justify="left",
                   caption="TTFT: time to first token (queueing + prefill); decode tok/s: tokens after the first, "
                           "per second", caption_justify="left")

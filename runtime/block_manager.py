@@ -203,6 +203,16 @@ class BlockManager:
             self.pool.cache(table[i], h)
             hashes.append(h)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks past the first `num_tokens` positions: those of rejected speculated
+        tokens (runtime/speculative/). They were never entered in the prefix cache, which names committed tokens only."""
+        table = self._tables[request_id]
+        keep = self.blocks_for(num_tokens)
+        assert len(self._hashes[request_id]) <= keep, (request_id, num_tokens)
+        if len(table) > keep:
+            self.pool.decref(table[keep:])
+            del table[keep:]
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Let `child_id` share all of the parent's blocks (reference counted; e.g. n > 1 samples of a prompt).
 

@@ -1,4 +1,7 @@
-"""One engine step at a time: schedule -> run the session -> sample -> detokenize -> stop checks -> outputs.
+"""One engine step at a time: (propose) -> schedule -> run the session -> sample -> detokenize -> stop checks.
+
+With a speculator (speculative/), a step first gives decoding sequences drafts of their next tokens, runs each
+with its drafts, and keeps the accepted prefix plus one token (several tokens a step; _verify_step).
 
 Single-threaded by design; llm.py drives it either inline (sync generate) or from one background thread (async
 streaming). It owns the requests in flight; it does not tokenize prompts (llm.py does) nor size the pool.
@@ -25,6 +28,7 @@ from .sampling_params import Logprob
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import FinishReason, Sequence
 from .sequence_state import SequenceState, resumable
+from .speculative import Speculator, verify
 from .step_inputs import SeqChunk
 from .tokenizer import Tokenizer
 
@@ -55,8 +59,9 @@ class StepStats:
 class EngineCore:
     def __init__(self, session, tokenizer: Tokenizer, eos_token_ids: Seq[int], *, scheduler: SchedulerConfig,
                  tokens_per_block: int, vocab_size: int, enable_prefix_caching: bool = True,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, speculator: Speculator | None = None):
         self.session = session
+        self.speculator = speculator
         self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -101,7 +106,8 @@ class EngineCore:
                            num_cached_blocks=blocks.pool.num_cached, num_touched_blocks=blocks.pool.num_touched,
                            preemptions=sched.stats.num_preemptions,
                            prefix_cache_queries=sched.stats.prefix_cache_queries,
-                           prefix_cache_hits=sched.stats.prefix_cache_hits, num_steps=self.stats.num_steps)
+                           prefix_cache_hits=sched.stats.prefix_cache_hits, num_steps=self.stats.num_steps,
+                           speculation=self.speculator.stats.copy() if self.speculator is not None else None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -111,34 +117,74 @@ class EngineCore:
         return self._output(req)
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         st = self.stats
         st.num_steps += 1
         st.num_preempted += len(sched.preempted)
         st.max_seqs_per_step = max(st.max_seqs_per_step, len(sched.chunks))
         st.max_tokens_per_step = max(st.max_tokens_per_step, sched.num_tokens)
+        for seq in self.scheduler.running:   # drafts the scheduler did not take are dropped; taken ones are in chunks
+            seq.draft_token_ids = []
         if not sched.chunks:
             return []
         chunks = [SeqChunk(token_ids=c.token_ids, start_pos=c.start_pos,
                            block_table=list(self.blocks.block_table(c.seq.request_id)),
-                           want_logits=c.want_logits) for c in sched.chunks]
+                           num_logits=c.num_logits) for c in sched.chunks]
         logits = self.session.run(chunks, copy=False)   # sampled before the next run overwrites it
-        sampled = [c.seq for c in sched.chunks if c.want_logits]
-        assert logits.shape[0] == len(sampled), (logits.shape, len(sampled))
-        rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
-                            output_token_ids=s.output_token_ids, generator=s.generator,
-                            banned_token_ids=self._banned(s)) for s in sampled]
-        result = sample(np.asarray(logits)[:, :self.vocab_size], rows)
+        scored = [c for c in sched.chunks if c.want_logits]
+        assert logits.shape[0] == sum(c.num_logits for c in scored), (logits.shape, len(scored))
+        logits = np.asarray(logits)[:, :self.vocab_size]
+        if any(c.draft_token_ids for c in scored):
+            return self._verify_step(scored, logits)
+        result = sample(logits, [self._row(c.seq) for c in scored])
         outputs = []
-        for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs):
-            req = self.requests[seq.request_id]
-            seq.append_token(int(tok))
+        for c, tok, lp in zip(scored, result.token_ids, result.logprobs):
+            self._commit(c.seq, [int(tok)], [lp])
+            if self._due(self.requests[c.seq.request_id]):
+                outputs.append(self._output(self.requests[c.seq.request_id]))
+        return outputs
+
+    def _verify_step(self, scored, logits: np.ndarray) -> list[RequestOutput]:
+        """A step with speculated tokens: sequences without drafts sample as usual (one batch), each with drafts
+        keeps its accepted prefix plus one token (speculative/verify.py) and gives back the KV blocks past it."""
+        starts = np.cumsum([0] + [c.num_logits for c in scored])
+        plain = [i for i, c in enumerate(scored) if not c.draft_token_ids]
+        sampled = sample(logits[starts[plain]], [self._row(scored[i].seq) for i in plain]) if plain else None
+        outputs = []
+        for i, c in enumerate(scored):
+            seq = c.seq
+            if c.draft_token_ids:
+                verdict = verify(logits[starts[i]:starts[i + 1]], c.draft_token_ids, self._row(seq),
+                                 lambda n, s=seq: self._banned(s, n))
+                self.speculator.record(seq.request_id, len(c.draft_token_ids), verdict.accepted)
+                self._commit(seq, verdict.token_ids, verdict.logprobs)
+                if not seq.is_finished:   # the accepted drafts' K/V are in place; the last token runs next step
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                    self.blocks.trim(seq.request_id, seq.num_tokens)
+            else:
+                j = plain.index(i)
+                self._commit(seq, [int(sampled.token_ids[j])], [sampled.logprobs[j]])
+            if self._due(self.requests[seq.request_id]):
+                outputs.append(self._output(self.requests[seq.request_id]))
+        return outputs
+
+    def _row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
+                           output_token_ids=seq.output_token_ids, generator=seq.generator,
+                           banned_token_ids=self._banned(seq))
+
+    def _commit(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
+        """Append a step's tokens to `seq` one at a time, each checked for a stop; those after a stop are dropped."""
+        req = self.requests[seq.request_id]
+        for tok, lp in zip(tokens, logprobs):
+            seq.append_token(tok)
             if req.logprobs is not None:
                 req.logprobs.append(lp)
-            self._check_stop(req, int(tok))
-            if self._due(req):
-                outputs.append(self._output(req))
-        return outputs
+            self._check_stop(req, tok)
+            if seq.is_finished:
+                break
 
     def _due(self, req: _Request) -> bool:
         """Whether this step reports the request: its first token, its finish, or stream_interval new tokens."""
@@ -146,8 +192,9 @@ class EngineCore:
         return (seq.is_finished or req.emitted_tokens == 0
                 or seq.num_output_tokens - req.emitted_tokens >= self.stream_interval)
 
-    def _banned(self, seq: Sequence) -> list[int]:
-        if seq.num_output_tokens >= seq.params.min_tokens:
+    def _banned(self, seq: Sequence, num_output_tokens: int | None = None) -> list[int]:
+        """Token ids the sampler may not choose once `num_output_tokens` (default: the sequence's) were generated."""
+        if (seq.num_output_tokens if num_output_tokens is None else num_output_tokens) >= seq.params.min_tokens:
             return []
         ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else set(self.eos_token_ids))
         return sorted(t for t in ids if t < self.vocab_size)
@@ -173,6 +220,8 @@ class EngineCore:
         finished = seq.is_finished
         if finished:
             del self.requests[seq.request_id]
+            if self.speculator is not None:
+                self.speculator.forget(seq.request_id)
         out_ids = seq.output_token_ids
         delta_ids = out_ids[req.emitted_tokens:]
         req.emitted_tokens = len(out_ids)

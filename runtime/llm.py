@@ -40,6 +40,7 @@ from .request_limits import check_request
 from .scheduler import DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES, SchedulerConfig
 from .sequence import Sequence
 from .sequence_state import SequenceState
+from .speculative import SpeculativeConfig, make_speculator
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine.runtime")
@@ -65,7 +66,9 @@ class LLM:
     (None: no cap), so that a long prompt does not slow every decode of its steps (bench/scheduler_policies.py measures
     the trade-off). `max_num_tokens` / `max_batch_size`: the per-step token budget and sequence count, at most
     (and by default) the engine's build limits. `stream_interval` N: a request reports its first token, then every
-    N-th and its finish, each output's delta holding the tokens since the last (engine_core.py; default 1)."""
+    N-th and its finish, each output's delta holding the tokens since the last (engine_core.py; default 1).
+    `speculative_config` (vLLM's: a dict or SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens":
+    4}): decoding proposes k tokens a step and keeps what the engine confirms (speculative/)."""
 
     def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
                  max_kv_tokens: int | None = None, threads: int | None = None,
@@ -73,7 +76,7 @@ class LLM:
                  scheduling_policy: str = "fcfs",
                  max_prefill_chunk_with_decodes: int | None = DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES,
                  max_num_tokens: int | None = None, max_batch_size: int | None = None, stream_interval: int = 1,
-                 distributed=None):
+                 distributed=None, speculative_config: SpeculativeConfig | dict | None = None):
         from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
         self.engine_dir = Path(engine_dir)
         self.config = load_engine_config(self.engine_dir)
@@ -84,6 +87,10 @@ class LLM:
                 raise EngineError(f"--{name} {value} is outside [1, {limit}]: the engine was built for at most "
                                   f"{limit}; give a value in range, or rebuild with a larger --{name}", usage=True)
         check_stream_interval(stream_interval)
+        speculative = SpeculativeConfig.of(speculative_config)
+        if speculative is not None and b.backend == "tensorrt":
+            raise EngineError(f"speculative decoding runs on onnxruntime engines; {self.engine_dir} is a TensorRT "
+                              "engine (its optimization profiles bound the logits rows a step returns)", usage=True)
         scheduler = SchedulerConfig(max_batch_size=max_batch_size or b.max_batch_size,
                                     max_num_tokens=max_num_tokens or b.max_num_tokens,
                                     policy=scheduling_policy,
@@ -113,7 +120,8 @@ class LLM:
         self.eos_token_ids = tuple(eos)
         self.core = EngineCore(self.session, self.tokenizer, self.eos_token_ids, scheduler=scheduler,
                                tokens_per_block=b.tokens_per_block, vocab_size=self.config.model.vocab_size,
-                               enable_prefix_caching=enable_prefix_caching, stream_interval=stream_interval)
+                               enable_prefix_caching=enable_prefix_caching, stream_interval=stream_interval,
+                               speculator=make_speculator(speculative, self.config, threads))
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sampling_params import Logprob
+from .speculative.speculator import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class EngineStats:
     prefix_cache_queries: int            # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int               # of those, tokens found (not computed)
     num_steps: int
+    speculation: SpecDecodeStats | None = None   # drafts proposed and accepted, with speculative decoding
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -73,22 +73,35 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
             logprobs.append(None)
             continue
         raw = np.asarray(logits[b], dtype=np.float64)
-        x = raw.copy()
-        if len(row.banned_token_ids):
-            x[np.asarray(row.banned_token_ids, dtype=np.int64)] = -np.inf
-        apply_penalties(x, row)
-        if p.temperature == 0:
-            tok = int(np.argmax(x))
-        else:
-            with np.errstate(over="ignore"):        # to -inf: intended (step 6)
-                x = (x - np.max(x)) / p.temperature
-            probs = filter_probs(x, p)
-            cdf = np.cumsum(probs)
-            u = row.generator.random()
-            tok = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
+        x = penalised(raw, row)
+        tok = int(np.argmax(x)) if p.temperature == 0 else draw(probabilities(x, p), row.generator)
         token_ids[b] = tok
-        logprobs.append(None if p.logprobs is None else _logprobs(raw, tok, p.logprobs))
+        logprobs.append(None if p.logprobs is None else logprob_of(raw, tok, p.logprobs))
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def penalised(raw: np.ndarray, row: SamplingRow) -> np.ndarray:
+    """Steps 2-4: a float64 copy of one row's raw logits with banned tokens at -inf and the penalties applied."""
+    x = np.array(raw, dtype=np.float64)
+    if len(row.banned_token_ids):
+        x[np.asarray(row.banned_token_ids, dtype=np.int64)] = -np.inf
+    apply_penalties(x, row)
+    return x
+
+
+def probabilities(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Steps 6-9 for temperature > 0: the distribution a token is drawn from (removed tokens at 0; the total may
+    be below 1 after min-p, draw() scales by it)."""
+    with np.errstate(over="ignore"):        # to -inf: intended (step 6)
+        x = (x - np.max(x)) / p.temperature
+    return filter_probs(x, p)
+
+
+def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
+    """Step 10: one uniform draw, the first token whose cumulative probability exceeds it (times the total)."""
+    cdf = np.cumsum(probs)
+    u = generator.random()
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
 
 
 def _argmax_only(row: SamplingRow) -> bool:
@@ -139,7 +152,7 @@ def filter_probs(x: np.ndarray, p: SamplingParams) -> np.ndarray:
     return probs
 
 
-def _logprobs(raw: np.ndarray, token: int, n: int) -> Logprob:
+def logprob_of(raw: np.ndarray, token: int, n: int) -> Logprob:
     m = np.max(raw)
     lp = raw - (m + np.log(np.exp(raw - m).sum()))
     top = {}

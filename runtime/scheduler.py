@@ -6,7 +6,9 @@ token budget (max_num_tokens) over at most max_batch_size sequences:
 
   0. (priority policy) a waiting sequence that ranks above the lowest-ranked running one and finds no free
      batch slot or too few free blocks for its first chunk takes them from it (that one is preempted);
-  1. running sequences with one token to go (decodes), all of them, so a decode never waits for a prefill;
+  1. running sequences with one token to go (decodes), all of them, so a decode never waits for a prefill; a
+     decode carrying speculated tokens (seq.draft_token_ids) runs them too when the budget and the free blocks
+     allow, else it drops them (drafts never preempt anyone);
   2. then prefills in rank order: running ones part-way through their prompt and waiting ones (new prompts, or
      preempted ones to recompute), while the budget and the batch size allow. A prompt longer than the budget
      left is chunked; its next chunk runs in the next step. While decodes run, a chunk is also capped at
@@ -69,16 +71,22 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens [start_pos, start_pos + num_new_tokens) of `seq` run in this step; want_logits when the chunk
-    reaches the sequence's last token (only then does the step yield its next token)."""
+    """Tokens [start_pos, start_pos + num_new_tokens) of `seq` run in this step, then its `draft_token_ids`;
+    want_logits when the chunk reaches the sequence's last token (only then does the step yield its next token,
+    and with drafts the logits of each drafted position too)."""
     seq: Sequence
     start_pos: int
     num_new_tokens: int
     want_logits: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+        return self.seq.token_ids[self.start_pos:self.start_pos + self.num_new_tokens] + list(self.draft_token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        return 1 + len(self.draft_token_ids) if self.want_logits else 0
 
 
 @dataclass
@@ -88,7 +96,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+        return sum(c.num_new_tokens + len(c.draft_token_ids) for c in self.chunks)
 
 
 @dataclass
@@ -133,7 +141,13 @@ class Scheduler:
         budget = self.config.max_num_tokens
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         for seq in decodes:
-            if seq.status is Status.RUNNING and budget > 0 and self._grow(seq, 1, served, out):
+            if seq.status is not Status.RUNNING or budget <= 0:
+                continue
+            if seq.draft_token_ids and self._speculate(seq, budget, served, out):
+                budget -= 1 + len(seq.draft_token_ids)
+                continue
+            seq.draft_token_ids = []
+            if self._grow(seq, 1, served, out):
                 budget -= 1
         preempted_here = len(out.preempted)
         cap = self.config.max_prefill_chunk_with_decodes if decodes else None
@@ -162,6 +176,16 @@ class Scheduler:
                 return False
         served.add(seq.request_id)
         out.chunks.append(self._take(seq, n))
+        return True
+
+    def _speculate(self, seq: Sequence, budget: int, served: set[str], out: SchedulerOutput) -> bool:
+        """Schedule decode `seq` with its drafts if the budget and the free blocks hold them all."""
+        n = 1 + len(seq.draft_token_ids)
+        if n > budget or self.blocks.allocate_slots(seq.request_id, seq.num_computed_tokens + n,
+                                                    seq.token_ids) is None:
+            return False
+        served.add(seq.request_id)
+        out.chunks.append(self._take(seq, 1, tuple(seq.draft_token_ids)))
         return True
 
     def _admit(self, seq: Sequence, budget: int, cap: int | None, out: SchedulerOutput) -> int:
@@ -205,10 +229,12 @@ class Scheduler:
             reserved += need
             tokens += first
 
-    def _take(self, seq: Sequence, n: int) -> ScheduledChunk:
+    def _take(self, seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        chunk = ScheduledChunk(seq=seq, start_pos=start, num_new_tokens=n, want_logits=start + n == seq.num_tokens)
-        # Counted as computed once scheduled (vLLM v1): the engine step that follows writes their K/V.
+        chunk = ScheduledChunk(seq=seq, start_pos=start, num_new_tokens=n, want_logits=start + n == seq.num_tokens,
+                               draft_token_ids=drafts)
+        # Counted as computed once scheduled (vLLM v1): the engine step that follows writes their K/V. Drafts are
+        # not: the engine core counts the accepted ones after verifying them (EngineCore._commit).
         seq.num_computed_tokens += n
         return chunk
 
@@ -220,6 +246,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self._enqueue(seq)

@@ -47,6 +47,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: np.random.Generator = field(default=None)  # type: ignore[assignment]
+    # tokens speculated to follow token_ids (runtime/speculative/), set before a step and verified after it;
+    # never part of token_ids until accepted
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -6,8 +6,8 @@
               or int8 for --kv-cache-dtype int8: the graph quantizes and dequantizes), allocated once
               each bound with IOBinding as both the graph input and its aliased output kcache_out.{i}, so
               ORT's ScatterND writes the step's K/V into the pool in place (no copy of the pool per step)
-    run(chunks) -> logits [chunks wanting logits, vocab_size]; ORT writes them into one buffer allocated here
-                   [max_batch_size, vocab_padded] (no per-step output allocation, no wrapping of the 61 bound
+    run(chunks) -> logits [rows of logits wanted, vocab_size]; ORT writes them into one buffer allocated here
+                   [max_batch_size, vocab_padded] (grown when speculation asks for more rows) (no per-step output allocation, no wrapping of the 61 bound
                    outputs that IOBinding.get_outputs() does); run returns a copy of the rows it filled, or
                    with copy=False a view of them that the next run overwrites (the engine core samples from it
                    before its next step: a [32, 49152] copy was ~0.3 ms of a 16 ms step, bench/NOTES.md entry 44)
@@ -60,7 +60,7 @@ class EngineSession:
             self._binding.bind_ortvalue_output(name_out, value)
 
     def run(self, chunks: list[SeqChunk], *, copy: bool = True) -> np.ndarray:
-        """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order; copy=False: a view of
+        """Logits [sum of the chunks' num_logits, vocab_size] float32, in chunk order; copy=False: a view of
         the session's buffer, valid until the next run."""
         inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding)
         check_step(inputs, chunks, self.config, self.num_blocks)
@@ -68,6 +68,9 @@ class EngineSession:
             if name in self._input_names:
                 self._binding.bind_cpu_input(name, array)
         rows = len(inputs[LOGITS_INDICES])
+        if rows > len(self._logits):   # speculation verifies several tokens a sequence: more rows than sequences
+            self._logits = np.empty((rows, self._logits.shape[1]), dtype=np.float32)
+            self._logit_rows = -1
         if rows != self._logit_rows:   # the binding stays between runs: rebind only when the row count changes
             self._binding.bind_output(LOGITS, "cpu", 0, np.float32, [rows, self._logits.shape[1]],
                                       self._logits.ctypes.data)

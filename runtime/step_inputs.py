@@ -35,7 +35,8 @@ class SeqChunk:
     token_ids: Sequence[int]     # the new tokens of this sequence computed in this step
     start_pos: int               # tokens of this sequence already in the KV pool (its num_computed_tokens)
     block_table: Sequence[int]   # block ids covering positions [0, start_pos + len(token_ids))
-    want_logits: bool            # logits of its last new token wanted
+    num_logits: int              # logits of its last num_logits new tokens wanted (0: none; 1 + k verifying k
+                                 # speculated tokens, runtime/speculative/); a bool reads as 0 or 1
 
 
 # Cost of a row beyond its query entries, in units of one padded query: the K/V gather of its context (each row
@@ -62,6 +63,9 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_wind
         raise EngineError(f"sequence chunk {lengths.index(min(lengths))} has no tokens; every chunk needs at least one")
     if min(starts) < 0:
         raise EngineError(f"start_pos {min(starts)} is negative")
+    for b, c in enumerate(chunks):
+        if not 0 <= c.num_logits <= len(c.token_ids):
+            raise EngineError(f"sequence chunk {b} wants logits of {c.num_logits} tokens; it has {len(c.token_ids)}")
     if lengths == [1]:
         return _lone_decode_inputs(chunks[0], tokens_per_block, sliding_window)
     q_len, start = np.array(lengths, dtype=np.int64), np.array(starts, dtype=np.int64)
@@ -103,7 +107,7 @@ def _lone_decode_inputs(chunk: SeqChunk, tokens_per_block: int, sliding_window: 
         KV_SLOTS: kv_slots,
         ATTN_MASK: np.ones((1, 1, 1, p + 1), dtype=bool),
         OUT_INDEX: np.zeros(1, dtype=np.int64),
-        LOGITS_INDICES: np.zeros(int(chunk.want_logits), dtype=np.int64),
+        LOGITS_INDICES: np.zeros(int(chunk.num_logits), dtype=np.int64),
     }
     if sliding_window:
         inputs[ATTN_MASK_SLIDING] = (np.arange(p + 1) > p - sliding_window)[None, None, None, :]
@@ -121,7 +125,7 @@ def _decode_inputs(chunks: list[SeqChunk], start: np.ndarray, ctx_len: np.ndarra
     l = np.arange(int(ctx_len.max()))
     visible = l[None, :] < ctx_len[:, None]                      # [B, Lmax]
     kv_slots = np.where(visible, tables[:, l // tokens_per_block] * tokens_per_block + l % tokens_per_block, 0)
-    want = np.array([c.want_logits for c in chunks], dtype=bool)
+    want = np.array([c.num_logits for c in chunks], dtype=bool)
     inputs = {
         INPUT_IDS: np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=num_seqs),
         POSITIONS: start,
@@ -175,7 +179,6 @@ def _packed_inputs(chunks: list[SeqChunk], q_len: np.ndarray, start: np.ndarray,
     pad_row = ~q_valid[:, :, None] & (l == 0)[None, None, :]
     mask = (causal & q_valid[:, :, None]) | pad_row
 
-    want = np.array([c.want_logits for c in chunks], dtype=bool)
     inputs = {
         INPUT_IDS: np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=total),
         POSITIONS: positions,
@@ -184,12 +187,19 @@ def _packed_inputs(chunks: list[SeqChunk], q_len: np.ndarray, start: np.ndarray,
         KV_SLOTS: kv_slots,
         ATTN_MASK: mask[:, None],
         OUT_INDEX: row_of_token * q_max + np.arange(total) - row_first[row_of_token],
-        LOGITS_INDICES: (first + q_len - 1)[want],
+        LOGITS_INDICES: _logit_rows(chunks, first + q_len),
     }
     if sliding_window:
         near = l[None, None, :] > q_pos[:, :, None] - sliding_window  # the query's own key included
         inputs[ATTN_MASK_SLIDING] = ((causal & near & q_valid[:, :, None]) | pad_row)[:, None]
     return inputs
+
+
+def _logit_rows(chunks: list[SeqChunk], ends: np.ndarray) -> np.ndarray:
+    """Packed indices of the tokens whose logits are wanted: the last num_logits of each chunk, in order."""
+    n = np.array([c.num_logits for c in chunks], dtype=np.int64)
+    first = np.repeat(ends - n, n)
+    return first + np.arange(len(first)) - np.repeat(np.cumsum(n) - n, n)
 
 
 def _row_length(q_len: np.ndarray, max_rows: int) -> int:

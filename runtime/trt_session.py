@@ -172,7 +172,7 @@ class TrtSession:
         return self._pools[self._cur]
 
     def run(self, chunks: list[SeqChunk], *, copy: bool = True) -> np.ndarray:
-        """Logits [number of chunks with want_logits, vocab_size] float32, in chunk order (a new array whatever
+        """Logits [sum of the chunks' num_logits, vocab_size] float32, in chunk order (a new array whatever
         `copy` says: EngineSession.run's keyword)."""
         inputs = make_step_inputs(chunks, self.tokens_per_block, self._sliding, max_attention_rows(self.config))
         check_step(inputs, chunks, self.config, self.num_blocks)

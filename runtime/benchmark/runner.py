@@ -33,6 +33,7 @@ from engine.core.errors import EngineError
 from ..llm import LLM
 from ..sampling_params import SamplingParams
 from .dataset import BenchRequest, special_token_ids, synthetic_requests
+from ..speculative import SpecDecodeStats
 from .stats import BenchSummary, RequestTiming, summarize
 
 MODES = ("throughput", "latency")
@@ -101,6 +102,7 @@ class EngineCounters:
     steps: int
     preemptions: int
     prefix_cache_hit_tokens: int
+    speculation: SpecDecodeStats | None = None   # drafts proposed and accepted, the proposer's time
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,8 @@ def run_benchmark(llm: LLM, requests: list[BenchRequest], config: BenchConfig, *
                         max_batch_size=sched.max_batch_size, max_num_tokens=sched.max_num_tokens)
     counters = EngineCounters(steps=after.num_steps - before.num_steps,
                               preemptions=after.preemptions - before.preemptions,
-                              prefix_cache_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits)
+                              prefix_cache_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits,
+                              speculation=after.speculation.since(before.speculation) if after.speculation else None)
     records = tuple(RequestRecord(input_tokens=t.input_tokens, output_tokens=t.output_tokens, ttft_ms=t.ttft * 1e3,
                                   tpot_ms=None if t.tpot is None else t.tpot * 1e3, e2e_ms=t.e2e * 1e3)
                     for t in timings)

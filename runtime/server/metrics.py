@@ -8,6 +8,10 @@
                                                                 pool's pages are mapped on first write, so this
                                                                 is what of it counts in the process's RSS)
     vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   counters, in tokens
+    vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total,
+    _num_accepted_tokens_per_pos_total{position}                 counters, with speculative decoding (their ratio
+                                                                is the acceptance rate; 1 + accepted / drafts the
+                                                                mean acceptance length)
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds,
     vllm:request_time_per_output_token_seconds                  histograms (vLLM's buckets)
     vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total{finished_reason}
@@ -72,6 +76,16 @@ class _EngineCollector:
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       s.prefix_cache_hits)
+        if (sp := s.speculation) is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sp.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sp.num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          sp.num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for pos, n in enumerate(sp.accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(pos)], n)
+            yield per_pos
 
 
 class ServerMetrics:

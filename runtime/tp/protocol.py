@@ -2,7 +2,7 @@
 
     header  int64[4]  [command, B sequences, T tokens, total block-table entries]
     payload int64[4B + T + blocks]
-            | q_len[B] | start_pos[B] | want_logits[B] | table_len[B] | token ids[T] | block tables, concatenated |
+            | q_len[B] | start_pos[B] | num_logits[B] | table_len[B] | token ids[T] | block tables, concatenated |
 
 Every rank rebuilds the graph inputs from the chunks with runtime/step_inputs.py, so the masks and index arrays
 (up to B * Qmax * Lmax) never cross the wire and every rank computes exactly what rank 0 does. Plain numpy, no
@@ -22,7 +22,7 @@ def encode(chunks: list[SeqChunk]) -> tuple[np.ndarray, np.ndarray]:
     """(header, payload) of a step."""
     q_len = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     start = np.array([c.start_pos for c in chunks], dtype=np.int64)
-    want = np.array([c.want_logits for c in chunks], dtype=np.int64)
+    want = np.array([c.num_logits for c in chunks], dtype=np.int64)
     table_len = np.array([len(c.block_table) for c in chunks], dtype=np.int64)
     tokens = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(q_len.sum()))
     blocks = np.fromiter((b for c in chunks for b in c.block_table), dtype=np.int64, count=int(table_len.sum()))
@@ -49,5 +49,5 @@ def decode(head: np.ndarray, payload: np.ndarray) -> list[SeqChunk]:
     for i in range(b):
         chunks.append(SeqChunk(token_ids=payload[tok_end[i] - q_len[i]:tok_end[i]].tolist(), start_pos=int(start[i]),
                                block_table=payload[blk_end[i] - table_len[i]:blk_end[i]].tolist(),
-                               want_logits=bool(want[i])))
+                               num_logits=int(want[i])))
     return chunks

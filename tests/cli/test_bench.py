@@ -34,6 +34,19 @@ def test_throughput_table_and_report(engine_dir, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name != "report.json"]   # no temporary file left behind
 
 
+def test_speculation_counts_in_the_report(engine_dir, tmp_path):
+    data = tmp_path / "requests.jsonl"   # prompts that repeat themselves, so prompt lookup finds matches
+    data.write_text("".join(json.dumps({"input_ids": [5, 6, 7, 8] * 4 + [i + 9], "output_len": 20}) + "\n"
+                            for i in range(3)))
+    report = tmp_path / "report.json"
+    r = bench(engine_dir, "--dataset", str(data), "--mode", "latency", "--warmup", "0", "--speculative", "ngram",
+              "--prompt-lookup-min", "1", "--report-json", str(report))
+    sp = json.loads(report.read_text())["counters"]["speculation"]
+    assert sp["num_drafts"] > 0 and sp["num_draft_tokens"] >= sp["num_accepted_tokens"] > 0
+    assert sum(sp["accepted_per_pos"]) == sp["num_accepted_tokens"]
+    assert "mean acceptance length" in r.stdout
+
+
 def test_latency_json_on_stdout_with_a_jsonl_dataset(engine_dir, tmp_path):
     data = tmp_path / "requests.jsonl"
     data.write_text('{"prompt": "The capital of France is", "output_len": 4}\n'

@@ -134,3 +134,24 @@ def test_scheduling_flags(engine_dir, tmp_path):
 def test_bad_scheduling_flags(engine_dir, args, needles):
     assert_one_line_error(run(engine_dir, "--input-text", "hi", "--max-output-len", "4", *args, check_rc=2),
                           *needles)
+
+
+def test_speculative_flags_give_the_same_greedy_text(engine_dir, tmp_path):
+    base = ["--input-text", "one two three one two three one two", "--max-output-len", "24"]
+    run(engine_dir, *base, "--output-json", str(tmp_path / "a.json"))
+    r = run(engine_dir, *base, "--speculative", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1",
+            "--prompt-lookup-max", "3", "--output-json", str(tmp_path / "b.json"))
+    plain, spec = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
+    assert "speculation" in r.stderr
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--num-speculative-tokens", "3"], ["--num-speculative-tokens needs --speculative"]),
+    (["--speculative", "eagle"], ["--speculative 'eagle' is not one of ngram, draft"]),
+    (["--speculative", "draft"], ["--speculative draft needs --draft-engine-dir"]),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], ["--num-speculative-tokens 0 must be in [1, 16]"]),
+])
+def test_bad_speculative_flags(engine_dir, args, needles):
+    assert_one_line_error(run(engine_dir, "--input-text", "hi", "--max-output-len", "4", *args, check_rc=2),
+                          *needles)

@@ -54,7 +54,7 @@ def test_batch_equals_each_alone(tiny, key):
               SeqChunk(c, 0, blocks_for(9, 20), False), SeqChunk(d[20:], 20, blocks_for(25, 30), True)]
     together = session.run(chunks)
     assert together.shape == (3, session.config.model.vocab_size)
-    alone = [session.run([ch])[0] for ch in chunks if ch.want_logits]
+    alone = [session.run([ch])[0] for ch in chunks if ch.num_logits]
     for i, (x, y) in enumerate(zip(together, alone)):
         assert_logits_close(x, y, what=f"{key} sequence {i} in a batch vs alone")
 
