@@ -148,7 +148,7 @@ def run_command(
         return
     err = Console(stderr=True, highlight=False)
     _log_warnings_to(err)
-    llm = _load(flags, distributed)
+    llm = _load(flags, distributed, len(prompts))
     start = time.monotonic()
     results = _generate(llm, flags, prompts, params, priorities)
     wall = time.monotonic() - start
@@ -191,10 +191,11 @@ def _sampling_params(flags: RunFlags):
         ignore_eos=flags.end_id is not None)
 
 
-def _load(flags: RunFlags, distributed):
+def _load(flags: RunFlags, distributed, num_prompts: int):
     from engine.runtime import LLM
 
-    return LLM(flags.engine_dir, kv_cache_mem_fraction=flags.kv_cache_mem_fraction,
+    # the prompts are all the sequences this run has: a pool for more of them would only take memory
+    return LLM(flags.engine_dir, kv_cache_mem_fraction=flags.kv_cache_mem_fraction, max_sequences=num_prompts,
                max_kv_tokens=flags.max_kv_tokens, threads=flags.threads,
                kv_cache_memory_bytes=_parse_bytes(flags.kv_cache_memory_bytes),
                enable_prefix_caching=flags.prefix_caching, scheduling_policy=flags.scheduling_policy,

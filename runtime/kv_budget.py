@@ -1,10 +1,12 @@
 """How many KV blocks the pool gets: from a token count, an explicit byte budget, or a fraction of available memory.
 
-    available = MemAvailable (psutil, else /proc/meminfo) - engine weights - one step's activations
+    available = min(MemAvailable (psutil, else /proc/meminfo), the cgroup's limit - its usage (cgroup_memory.py))
+                - engine weights - one step's activations
     blocks    = ceil(max_kv_tokens / tpb)                                          or
                 floor(kv_cache_bytes / kv_bytes_per_block)                          or
                 floor(kv_cache_mem_fraction * available / kv_bytes_per_block)
-    blocks    = min(blocks, max_batch_size * blocks of one max_seq_len request)   (more could never be used)
+    blocks    = min(blocks, sequences * blocks of one max_seq_len request)   (more could never be used)
+    sequences = max_batch_size, or fewer when the caller knows it runs fewer at once (engine run: its prompts)
 
 and one max_seq_len request must fit, else the error says which max_seq_len would. Weights and activations
 come from the engine's memory plan; it knows nothing of the session that allocates the arrays.
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 from engine.core.engine_format import EngineConfig
 from engine.core.errors import EngineError
+
+from .cgroup_memory import cgroup_room
 
 DEFAULT_KV_CACHE_MEM_FRACTION = 0.5
 MiB = 1 << 20
@@ -36,7 +40,13 @@ class KVPlan:
 
 
 def available_memory() -> int:
-    """Bytes of memory available to new allocations without swapping."""
+    """Bytes of memory available to new allocations without swapping, nor passing a container's memory limit."""
+    host = _host_available()
+    room = cgroup_room()
+    return host if room is None else min(host, room)
+
+
+def _host_available() -> int:
     try:
         import psutil
         return int(psutil.virtual_memory().available)
@@ -64,8 +74,9 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
 
 def plan_kv_cache(config: EngineConfig, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
                   max_kv_tokens: int | None = None, kv_cache_bytes: int | None = None,
-                  available_bytes: int | None = None) -> KVPlan:
-    """The pool from, first match: a token count, a byte budget, a fraction of available memory."""
+                  available_bytes: int | None = None, max_sequences: int | None = None) -> KVPlan:
+    """The pool from, first match: a token count, a byte budget, a fraction of available memory; never more than
+    max_sequences (default max_batch_size) max_seq_len requests can use."""
     b = config.build
     tpb = b.tokens_per_block
     per_block = kv_bytes_per_block(config)
@@ -91,7 +102,7 @@ def plan_kv_cache(config: EngineConfig, *, kv_cache_mem_fraction: float = DEFAUL
                   f"less {weights / MiB:.0f} MiB of weights and {config.memory.activation_bytes / MiB:.0f} MiB "
                   "of activations")
     per_request = -(-b.max_seq_len // tpb)
-    blocks = min(blocks, b.max_batch_size * per_request)
+    blocks = min(blocks, min(b.max_batch_size, max_sequences or b.max_batch_size) * per_request)
     if blocks < per_request:
         fits = blocks * tpb
         raise EngineError(

@@ -68,7 +68,9 @@ class LLM:
     (and by default) the engine's build limits. `stream_interval` N: a request reports its first token, then every
     N-th and its finish, each output's delta holding the tokens since the last (engine_core.py; default 1).
     `speculative_config` (vLLM's: a dict or SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens":
-    4}): decoding proposes k tokens a step and keeps what the engine confirms (speculative/)."""
+    4}): decoding proposes k tokens a step and keeps what the engine confirms (speculative/). `max_sequences`: the
+    most sequences this LLM will run at once when fewer than max_batch_size (`engine run` knows its prompts); the
+    pool is then no larger than they can use."""
 
     def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
                  max_kv_tokens: int | None = None, threads: int | None = None,
@@ -76,7 +78,8 @@ class LLM:
                  scheduling_policy: str = "fcfs",
                  max_prefill_chunk_with_decodes: int | None = DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES,
                  max_num_tokens: int | None = None, max_batch_size: int | None = None, stream_interval: int = 1,
-                 distributed=None, speculative_config: SpeculativeConfig | dict | None = None):
+                 distributed=None, speculative_config: SpeculativeConfig | dict | None = None,
+                 max_sequences: int | None = None):
         from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
         self.engine_dir = Path(engine_dir)
         self.config = load_engine_config(self.engine_dir)
@@ -101,7 +104,9 @@ class LLM:
         tokenizer = loader.submit(Tokenizer, self.engine_dir)
         loader.shutdown(wait=False)
         self.kv_plan: KVPlan = plan_kv_cache(self.config, kv_cache_mem_fraction=kv_cache_mem_fraction,
-                                             max_kv_tokens=max_kv_tokens, kv_cache_bytes=kv_cache_memory_bytes)
+                                             max_kv_tokens=max_kv_tokens, kv_cache_bytes=kv_cache_memory_bytes,
+                                             max_sequences=min(filter(None, (max_batch_size, max_sequences)),
+                                                               default=None))
         if self.config.mapping.world_size > 1:
             # torch, imported only for tensor-parallel engines; `distributed` (runtime/tp/distributed.py): None spawns
             # the other ranks here, else this process is rank 0 of ranks started elsewhere (torchrun-style)
@@ -121,7 +126,7 @@ class LLM:
         self.core = EngineCore(self.session, self.tokenizer, self.eos_token_ids, scheduler=scheduler,
                                tokens_per_block=b.tokens_per_block, vocab_size=self.config.model.vocab_size,
                                enable_prefix_caching=enable_prefix_caching, stream_interval=stream_interval,
-                               speculator=make_speculator(speculative, self.config, threads))
+                               speculator=make_speculator(speculative, self.config, self.tokenizer, threads))
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
