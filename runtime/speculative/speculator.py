@@ -119,13 +119,14 @@ class NgramProposer:
         pass
 
 
-def make_speculator(config: SpeculativeConfig | None, target, threads: int | None) -> Speculator | None:
-    """The Speculator of `config` for the target engine whose EngineConfig is `target` (None: no speculation)."""
+def make_speculator(config: SpeculativeConfig | None, target, tokenizer, threads: int | None) -> Speculator | None:
+    """The Speculator of `config` for the target engine whose EngineConfig is `target` and Tokenizer `tokenizer`
+    (None: no speculation)."""
     if config is None:
         return None
     if config.method == "ngram":
         proposer: Proposer = NgramProposer(config)
     else:
         from .draft import DraftProposer
-        proposer = DraftProposer(config, target, threads)
+        proposer = DraftProposer(config, target, tokenizer, threads)
     return Speculator(config, proposer, target.build.max_seq_len)
