@@ -12,6 +12,7 @@
     resume.py      --state-dir: checkpoints of the responses in flight, resuming them after a restart
     state_file.py  the inference-state file those checkpoints are written to (versioned JSON, atomic)
     body_limit.py  the ASGI middleware answering 413 to oversized request bodies
+    internal_errors.py  the ASGI middleware answering unexpected exceptions 500 with a request id, not their text
     http_limits.py each connection's limits below the app: header size (431) and time (408), idle, HTTP/1.0
     metrics.py     the Prometheus metrics, under vLLM's names
     config.py      ServerConfig, the settings of `engine serve`

@@ -47,6 +47,7 @@ from .completions import OpenAIServing
 from .config import ServerConfig
 from .http_limits import HTTPLimits, limited_protocol
 from .metrics import ServerMetrics
+from .internal_errors import InternalErrors
 from .protocol import APIError, validation_error
 from .resume import StateKeeper
 from .routes import add_routes
@@ -66,6 +67,7 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
                         metrics=metrics, keeper=keeper)
     app = FastAPI(title="engine", lifespan=_lifespan(state, load))
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(InternalErrors)          # last: the outermost, it sees every other layer's exceptions
     app.state.server = state
     _add_error_handlers(app)
     add_routes(app, state)
@@ -139,12 +141,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         code = "request_too_large" if e.status_code == 413 else None
         return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind, code=code).body(),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return JSONResponse(APIError(f"internal server error: {e}", status=500, type="internal_server_error")
-                            .body(), status_code=500)
 
 
 def uvicorn_config(app: FastAPI, **kwargs):

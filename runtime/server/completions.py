@@ -30,7 +30,7 @@ from engine.core.errors import EngineError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, internal_error
 from .sse import event_id, sse_data
 
 log = logging.getLogger("engine.server")
@@ -70,6 +70,11 @@ else:  # Python 3.10 has no asyncio.timeout
         return asyncio.wait_for(q.get(), timeout)
 
 
+def response_id_for(chat: bool, client_id: str | None) -> str:
+    """The id of a response: cmpl-ID / chatcmpl-ID for a client's X-Request-Id ID, else a random one."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+
+
 class OpenAIServing:
     def __init__(self, llm, model_name: str, metrics: ServerMetrics, *, keepalive_s: float,
                  engine_alive: Callable[[], bool]):
@@ -94,7 +99,8 @@ class OpenAIServing:
                     out.append((ids, self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None))
             return out
         prompts = await run_in_threadpool(tokenize)
-        return self._prepare("cmpl", req, prompts, req.max_tokens, req.logprobs, "prompt", request_id)
+        return self._prepare(response_id_for(False, request_id), req, prompts, req.max_tokens, req.logprobs,
+                             "prompt")
 
     async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Prepared:
         messages = req.template_messages()
@@ -110,11 +116,10 @@ class OpenAIServing:
             except Exception as e:  # noqa: BLE001 - the template is data; what breaks it is in the messages
                 raise APIError(f"the chat template failed on these messages: {e!r}", param="messages") from None
         ids = await run_in_threadpool(tokenize)
-        return self._prepare("chatcmpl", req, [(ids, None)], req.requested_max_tokens, req.num_logprobs,
-                             "messages", request_id)
+        return self._prepare(response_id_for(True, request_id), req, [(ids, None)], req.requested_max_tokens,
+                             req.num_logprobs, "messages")
 
-    def _prepare(self, kind, req, prompts, max_tokens, logprobs, what, request_id=None) -> Prepared:
-        rid = f"{kind}-{request_id or uuid.uuid4().hex}"     # request_id: the client's X-Request-Id
+    def _prepare(self, rid, req, prompts, max_tokens, logprobs, what) -> Prepared:
         choices = []
         for i, (ids, _) in enumerate(prompts):
             budget = self._check_context(len(ids), max_tokens, what)
@@ -195,8 +200,7 @@ class OpenAIServing:
                     raise APIError(str(item), code="invalid_value")
                 if isinstance(item, BaseException):
                     log.error("request %s failed: %r", prep.id, item)
-                    raise APIError(f"the engine failed on this request: {item}", status=500,
-                                   type="internal_server_error")
+                    raise internal_error(prep.id)
                 if item.finished:
                     pending -= 1
                     if item.finish_reason == "abort":
@@ -315,7 +319,7 @@ class OpenAIServing:
             yield sse_data(e.body())
         except Exception as e:  # noqa: BLE001 - the stream has begun: report in-band, never drop silently
             log.exception("stream %s failed", prep.id)
-            yield sse_data(APIError(f"internal error: {e}", status=500, type="internal_server_error").body())
+            yield sse_data(internal_error(prep.id).body())
         yield "data: [DONE]\n\n"
 
     # ---- logprobs ----------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from engine.core.errors import EngineError
 
 from ..outputs import RequestOutput
 from ..sequence_state import SequenceState, resumable
-from .protocol import APIError
+from .protocol import APIError, internal_error
 from .sse import event_id, parse_event_id, sse_data
 from .state_file import ChoiceState, FinishedChoice, ResponseState, read_state, write_state
 
@@ -98,8 +98,7 @@ class Tracked:
 
     def fail(self, e: BaseException) -> None:
         log.error("resumed response %s failed: %r", self.id, e)
-        self.error = APIError(f"the engine failed on this resumed request: {e}", status=500,
-                              type="internal_server_error")
+        self.error = internal_error(self.id)
         self._notify()
 
     def state(self, sequences: dict[str, SequenceState]) -> ResponseState | None:
@@ -160,7 +159,7 @@ class StateKeeper:
     def _add(self, t: Tracked) -> None:
         if t.id in self.tracked:
             raise APIError(f"a response with id {t.id!r} is already kept by this server; send another "
-                           "X-Request-Id", code="invalid_value")
+                           "X-Request-Id", status=409, param="X-Request-Id", code="request_id_in_use")
         self.tracked[t.id] = t
         for c in t.choices.values():
             self._by_request[c.request_id] = (t.id, c.index)

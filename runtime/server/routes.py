@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from engine.core.errors import EngineError
 
 from .admission import ServerState
+from .completions import response_id_for
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -61,7 +62,8 @@ async def _generate(state: ServerState, request: Request, body, chat: bool):
     _check_model(state.config, body.model)
     _check_priority(state.config, body.priority)
     client_id = _client_request_id(request)
-    release = state.admit((1 if chat else len(body.prompts)) * body.n)
+    release = state.admit((1 if chat else len(body.prompts)) * body.n,
+                          response_id_for(chat, client_id) if client_id is not None else None)
     streaming = False
     try:
         prep = await (serving.prepare_chat(body, client_id) if chat
@@ -111,8 +113,12 @@ def _add_resume_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         """The rest of a resumed response's stream after the event id the client last received (resume.py)."""
         tracked = resumed(response_id)
         last = request.headers.get("last-event-id", last_event_id)
-        if last:
-            parse_event_id(last)          # a 400 now rather than an error inside the stream
+        if last:                          # a 400 now rather than an error inside the stream
+            unknown = sorted(set(parse_event_id(last)[0]) - set(tracked.choices))
+            if unknown:
+                raise APIError(f"Last-Event-ID {last!r} names choice {unknown[0]}, which response {tracked.id} does "
+                               f"not have (choices {', '.join(map(str, sorted(tracked.choices)))}); send the `id:` "
+                               "of the last event received", param="Last-Event-ID", code="invalid_value")
         response = _SSEResponse(state.keeper.stream(tracked, last, state.config.keepalive_s), lambda: None)
         response.headers["X-Request-Id"] = tracked.id
         return response
@@ -135,7 +141,8 @@ def _add_info_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     @app.get("/v1/models", dependencies=auth)
     async def models():
         card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "engine",
-                "root": str(config.engine_dir), "parent": None, "max_model_len": state.max_model_len}
+                "root": config.served_model_name, "parent": None,      # not the engine's path on this host
+                "max_model_len": state.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

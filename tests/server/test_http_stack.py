@@ -1,5 +1,6 @@
 """The server's HTTP stack: uvicorn on httptools (with the connection limits of http_limits.py) and uvloop (the
-serve and test extras install them), and a warning that names what is missing when it must fall back to h11 and asyncio's loop."""
+serve and test extras install them), and a warning that names what is missing when it must fall back to h11 and
+asyncio's loop."""
 from __future__ import annotations
 
 import importlib.util

@@ -238,6 +238,10 @@ def test_sigterm_saves_state_and_exits_then_resume(server_engine, tmp_path):
         assert r["errors"] == [r["errors"][0]] and r["finish"] == ["length"]
         expected = reference(second.url)[3]
         assert r["text"] == expected
+        # a Last-Event-ID naming a choice the response does not have is refused, not answered with choice 0
+        bad = httpx.get(f"{second.url}/v1/requests/{rid}/stream", headers={"Last-Event-ID": "0:3,4:0"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+        assert "choice 4" in bad.json()["error"]["message"]
         # a non-streaming client polls the same response as JSON
         again = httpx.get(f"{second.url}/v1/requests/{rid}", timeout=60).json()
         assert again["choices"][0]["text"] == expected and again["usage"]["completion_tokens"] == MAX_TOKENS
