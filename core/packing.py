@@ -3,7 +3,10 @@
     pack:   DIR/config.json + every file of its manifest ──▶ NAME.tar      members "NAME/config.json", "NAME/...",
             each file hashed while it is copied (one read); a file that no longer matches its manifest fails the pack
     unpack: NAME.tar ──▶ OUTPUT (atomically)   members hashed while they are written; the result must match the
-            manifest in its config.json exactly (no file missing, none extra, every sha256), or nothing is left
+            manifest in its config.json exactly (no file missing, none extra, every sha256), or nothing is left.
+            config.json comes first, so each later member is checked against the manifest (listed, its size)
+            before its data is read, and the whole read is bounded by the manifest's sizes: a forged or
+            compressed-bomb archive costs what its manifest promises, not what the archive holds
 
 The archive is reproducible: members in a fixed order (config.json first, then the manifest's sorted paths),
 mtime 0, uid/gid 0, no user names, modes 0644 / 0755, PAX format (files over 8 GiB). The same directory gives the
@@ -13,7 +16,10 @@ absolute paths and `..` are refused. Works for engines and checkpoints alike: it
 """
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
+import lzma
 import os
 import shutil
 import tarfile
@@ -28,6 +34,8 @@ from .manifest import CONFIG, FileDigest, Manifest
 from .serde import from_json, read_json
 
 ARTIFACT_FORMATS = ("engine", "engine-checkpoint")
+MAX_CONFIG_BYTES = 16 << 20       # a config.json with its manifest; real ones are kilobytes
+MEMBER_OVERHEAD = 8 << 10         # per member: its header and PAX header, as `engine pack` writes them
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,31 @@ class _HashingReader:
         self.hash.update(data)
         self.size += len(data)
         return data
+
+
+class _BoundedReader:
+    """A file object that refuses to read past `budget` bytes (raised as the caller may set it, once known)."""
+
+    def __init__(self, f: BinaryIO, budget: int, archive: Path):
+        self._f, self.budget, self.read_bytes, self._archive = f, budget, 0, archive
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n if n >= 0 else self.budget - self.read_bytes + 1)
+        self.read_bytes += len(data)
+        if self.read_bytes > self.budget:
+            raise EngineError(f"{self._archive} holds more than its manifest accounts for ({self.budget} bytes); "
+                              "pass a .tar made by `engine pack`")
+        return data
+
+
+def _open_decompressed(archive: Path) -> BinaryIO:
+    """The archive's tar bytes: gzip, bzip2 and xz are undone as they are read (never whole into memory)."""
+    with open(archive, "rb") as f:
+        magic = f.read(6)
+    for prefix, opener in ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open)):
+        if magic.startswith(prefix):
+            return opener(archive, "rb")
+    return open(archive, "rb")
 
 
 def read_manifest(artifact_dir: Path) -> Manifest:
@@ -156,12 +189,16 @@ def unpack(archive: Path, output_dir: Path, *, force: bool = False) -> Manifest:
     archive = Path(archive)
     if not archive.is_file():
         raise EngineError(f"--input {archive} is not a file; pass a .tar made by `engine pack`", usage=True)
+    raw = _open_decompressed(archive)
+    bounded = _BoundedReader(raw, MAX_CONFIG_BYTES + 4 * MEMBER_OVERHEAD, archive)    # until the manifest is read
     try:
-        tar = tarfile.open(archive, mode="r:*")
-    except (tarfile.TarError, OSError) as e:
+        tar = tarfile.open(fileobj=bounded, mode="r|")
+    except (tarfile.TarError, OSError, EOFError, lzma.LZMAError) as e:
+        raw.close()
         raise EngineError(f"{archive} is not a readable tar file ({e}); pass a .tar made by `engine pack`") from None
-    with tar, atomic_output_dir(output_dir, force=force) as tmp:
+    with raw, tar, atomic_output_dir(output_dir, force=force) as tmp:
         hashes: dict[str, tuple[int, str]] = {}
+        listed: dict[str, FileDigest] | None = None      # the manifest's files, once config.json is read
         root = None
         try:
             for member in tar:
@@ -174,24 +211,51 @@ def unpack(archive: Path, output_dir: Path, *, force: bool = False) -> Manifest:
                 rel = PurePosixPath(*name.parts[1:])
                 if member.isdir() or not rel.parts:
                     continue
+                path = rel.as_posix()
+                _check_member(archive, member, path, listed, hashes)
                 dest = tmp.joinpath(*rel.parts)
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                src = tar.extractfile(member)
                 with open(dest, "wb") as out:
-                    reader = _HashingReader(src)
+                    reader = _HashingReader(tar.extractfile(member))
                     shutil.copyfileobj(reader, out, 1 << 20)
-                hashes[rel.as_posix()] = (reader.size, reader.hash.hexdigest())
-        except (tarfile.TarError, EOFError) as e:
+                hashes[path] = (reader.size, reader.hash.hexdigest())
+                if listed is None:                        # config.json: from now on, read what it promises
+                    manifest = read_manifest(tmp)
+                    listed = {e.path: e for e in manifest.files}
+                    bounded.budget = bounded.read_bytes + sum(e.size for e in manifest.files) + \
+                        (2 * len(listed) + 4) * MEMBER_OVERHEAD
+        except (tarfile.TarError, EOFError, OSError, lzma.LZMAError) as e:
             raise EngineError(f"{archive} is truncated or corrupt ({e}); copy it again") from None
-        if CONFIG not in hashes:
+        if listed is None:
             raise EngineError(f"{archive} has no config.json; pass a .tar made by `engine pack`")
-        manifest = read_manifest(tmp)
         _check_extracted(archive, manifest, hashes)
     return manifest
 
 
+def _check_member(archive: Path, member: tarfile.TarInfo, path: str, listed: dict[str, FileDigest] | None,
+                  hashes: dict) -> None:
+    """Refuse a member before its data is read: config.json first and bounded, then only listed files of their
+    manifest size, each once."""
+    if listed is None:
+        if path != CONFIG:
+            raise EngineError(f"{archive}: its first file is {path}, not {CONFIG}; pass a .tar made by `engine pack` "
+                              "(config.json first)")
+        if member.size > MAX_CONFIG_BYTES:
+            raise EngineError(f"{archive}: its {CONFIG} is {member.size} bytes, more than any engine's "
+                              f"({MAX_CONFIG_BYTES}); pass a .tar made by `engine pack`")
+        return
+    entry = listed.get(path)
+    if entry is None:
+        raise EngineError(f"{archive} has files its manifest does not list: {path}; pass a .tar made by `engine pack`")
+    if path in hashes:
+        raise EngineError(f"{archive} holds {path} twice; pass a .tar made by `engine pack`")
+    if member.size != entry.size:
+        raise EngineError(f"{archive}: {path} is {member.size} bytes in the archive, its manifest says {entry.size}; "
+                          "copy it again")
+
+
 def _check_extracted(archive: Path, manifest: Manifest, hashes: dict[str, tuple[int, str]]) -> None:
-    listed = {e.path for e in manifest.files}
+    """Every listed file is there with its size and sha256 (_check_member refused unlisted ones as they came)."""
     for entry in manifest.files:
         if entry.path not in hashes:
             raise EngineError(f"{archive} lacks {entry.path}, which its manifest lists; copy it again")
@@ -199,7 +263,3 @@ def _check_extracted(archive: Path, manifest: Manifest, hashes: dict[str, tuple[
         if (size, sha) != (entry.size, entry.sha256):
             raise EngineError(f"{archive}: {entry.path} does not match its manifest (size {size}, sha256 "
                               f"{sha[:16]}...; expected {entry.size}, {entry.sha256[:16]}...); copy it again")
-    extra = sorted(set(hashes) - listed - {CONFIG})
-    if extra:
-        raise EngineError(f"{archive} has files its manifest does not list: {', '.join(extra[:5])}; pass a .tar "
-                          "made by `engine pack`")
