@@ -4,7 +4,9 @@
                              libengine_kernels.so (default cache ~/.cache/engine); compiled once per source digest,
                              compiler and CPU (a source per CPU at once, then linked) in a temporary directory and
                              renamed into place, so concurrent first uses and an interrupted compile never leave a
-                             broken library behind
+                             broken library behind. Beside it, libengine_kernels.so.sha256 holds the sha256 the
+                             compile wrote; a library that does not match it (damaged, truncated, replaced, or from
+                             a cache without one) is compiled again rather than loaded
     register(options)        SessionOptions.register_custom_ops_library(library()): the ops of domain "engine"
     THREADS_ENTRY            the session config entry that gives the kernels their own thread pool
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -34,6 +37,7 @@ FLAGS = ["-O3", "-march=native", "-mtune=generic", "-std=c++17", "-shared", "-fP
 # never unloaded: the kernels' own pool (kernels/spin_pool.h) keeps threads that run the library's code
 LINK_FLAGS = ["-Wl,-z,nodelete"]
 COMPILE_TIMEOUT_S = 300
+log = logging.getLogger("engine.kernels")
 
 
 def compiler() -> str:
@@ -82,7 +86,7 @@ def cache_dir() -> Path:
 def library() -> Path:
     cxx = compiler()
     target = cache_dir() / _digest(cxx) / "libengine_kernels.so"
-    if target.exists():
+    if _intact(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=target.parent))
@@ -90,10 +94,36 @@ def library() -> Path:
         objects = _compile_objects(cxx, work)
         tmp = work / target.name
         _run(cxx, [*FLAGS, *LINK_FLAGS, *map(str, objects), "-o", str(tmp)])
+        (work / "sha256").write_text(_sha256(tmp) + "\n")
+        # the digest first: a library is never in place without the digest it must match
+        os.replace(work / "sha256", _digest_path(target))
         os.replace(tmp, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()       # a few MiB, read once per session
+
+
+def _intact(target: Path) -> bool:
+    """Whether the cached library exists and matches the digest written when it was compiled (a library is code
+    this process will run: its file merely existing does not say it is the one compiled)."""
+    if not target.exists():
+        return False
+    try:
+        if _digest_path(target).read_text().strip() == _sha256(target):
+            return True
+    except OSError:
+        pass
+    log.warning("%s does not match its digest %s (damaged, replaced, or from an older cache); compiling it again",
+                target, _digest_path(target).name)
+    return False
 
 
 def _compile_objects(cxx: str, work: Path) -> list[Path]:
