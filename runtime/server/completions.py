@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.core.errors import EngineError
 
+from ..llm import EngineLoopStopped
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
@@ -200,7 +201,8 @@ class OpenAIServing:
                     raise APIError(str(item), code="invalid_value")
                 if isinstance(item, BaseException):
                     log.error("request %s failed: %r", prep.id, item)
-                    raise internal_error(prep.id)
+                    raise internal_error(prep.id, "the engine loop stopped (the server must be restarted)"
+                                         if isinstance(item, EngineLoopStopped) else "internal server error")
                 if item.finished:
                     pending -= 1
                     if item.finish_reason == "abort":

@@ -38,11 +38,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def internal_error(request_id: str) -> APIError:
+def internal_error(request_id: str, what: str = "internal server error") -> APIError:
     """A 500 that names the request and nothing of its cause: exception text may hold paths or data of the
     server, so the cause goes to the server's log under `request_id` (the caller logs it)."""
-    return APIError(f"internal server error in request {request_id}; the server's log has the cause under this id",
-                    status=500, type="internal_server_error")
+    return APIError(f"{what} in request {request_id}; the server's log has the cause under this id", status=500,
+                    type="internal_server_error")
 
 
 def bad_param(param: str, message: str) -> APIError:
