@@ -12,7 +12,9 @@ rows, so that one 128-token prefill chunk does not pad every decode of the step 
 
 A row of sequence b starting at position p sees keys [0, p + its length) of b, causally. Qmax is chosen per
 step to minimise rows * (Qmax + ROW_OVERHEAD), a cost model of padded query rows plus each row's K/V gather
-(see _row_length); a step whose chunks all have the same length stays one row per sequence.
+(see _row_length); a step whose chunks all have the same length stays one row per sequence. A chunk that verifies
+speculated tokens (num_logits > 1) is cut into rows of one token: the attention op computes a lone token of a
+row as a decode, so each position gets the floats a decode step would give it (greedy speculation stays exact).
 Everything is computed with NumPy over whole arrays; the only Python loop runs once per sequence (to pad the
 block tables), never once per token.
 
@@ -151,14 +153,17 @@ def _packed_inputs(chunks: list[SeqChunk], q_len: np.ndarray, start: np.ndarray,
     positions = start[seq] + offset
     slot_mapping = tables[seq, positions // tokens_per_block] * tokens_per_block + positions % tokens_per_block
 
-    # Rows: sequence b's chunk cut into pieces of at most q_max tokens.
-    q_max = _row_length(q_len, max_rows or len(chunks) + total)
-    pieces = -(-q_len // q_max)
+    # Rows: sequence b's chunk cut into pieces of at most q_max tokens; a chunk verifying speculated tokens
+    # (num_logits > 1) into rows of one token, so that each is attended exactly as a decode of it would be.
+    verify = np.array([c.num_logits > 1 for c in chunks], dtype=bool)
+    q_max = _row_length(q_len[~verify], max_rows or len(chunks) + total) if not verify.all() else 1
+    per_row = np.where(verify, 1, q_max)                         # [B] tokens a row of each chunk
+    pieces = -(-q_len // per_row)
     row_seq = np.repeat(np.arange(num_seqs), pieces)             # [R] sequence of each row
     piece = np.arange(len(row_seq)) - (np.cumsum(pieces) - pieces)[row_seq]
-    row_first = first[row_seq] + piece * q_max                   # [R] packed index of the row's first token
-    row_len = np.minimum(q_max, q_len[row_seq] - piece * q_max)
-    row_start = start[row_seq] + piece * q_max                   # [R] position of the row's first token
+    row_first = first[row_seq] + piece * per_row[row_seq]        # [R] packed index of the row's first token
+    row_len = np.minimum(per_row[row_seq], q_len[row_seq] - piece * per_row[row_seq])
+    row_start = start[row_seq] + piece * per_row[row_seq]        # [R] position of the row's first token
     row_ctx = row_start + row_len                                # [R] keys the row's last query sees
     num_rows, l_max = len(row_seq), int(row_ctx.max())
     row_of_token = np.repeat(np.arange(num_rows), row_len)       # [T]

@@ -1,9 +1,13 @@
 // Decode items of plugins/kernels/paged_attention.cc: one token's attention over a share of the keys its mask row
 // lets it see, every head at once (attention_tiles.h takes rows of several tokens).
 //
-// An item leaves, per query head, the share's score maximum m, its sum of exp(score - m) and the unnormalized
-// output sum_i exp(score_i - m) v_i; combine() merges the shares (flash-decoding's split of the keys, which keeps
-// both cores busy when a step has fewer tokens than threads). Scores are (scale * q_h) . k_i, softcapped.
+// A token's keys are cut in segments of kSegment; each segment leaves, per query head, its score maximum m, its sum
+// of exp(score - m) and the unnormalized output sum_i exp(score_i - m) v_i, and combine() merges the segments in
+// order. An item takes a share of whole segments (flash-decoding's split of the keys, which keeps both cores busy
+// when a step has fewer tokens than threads), so a token's result depends on its keys alone, never on how a step
+// shares them out: a lone decode (split over the threads) and the same token in a batch or a speculative
+// verification (not split) give the same floats, which keeps speculative greedy decoding token-identical.
+// Scores are (scale * q_h) . k_i, softcapped.
 //
 // Memory (bench/NOTES.md entries 27 and 35): a pool row holds every KV head of its slot, so an item that takes all
 // heads reads whole rows. The keys go in chunks of kChunk: a chunk's K rows are first read in by plain loads in
@@ -29,6 +33,16 @@
 namespace engine_kernels {
 
 constexpr int64_t kChunk = 32;  // keys: small, so the next chunk's K rows are on their way early (NOTES 38)
+constexpr int64_t kSegment = 64;  // keys a partial covers: the unit of a lone decode's split (2 chunks)
+
+// Segments of a token that sees `seen` keys (one at least: no key gives a partial of zeros).
+inline int64_t segments(int64_t seen) { return std::max<int64_t>(1, (seen + kSegment - 1) / kSegment); }
+
+// The segments [first, last) of share `part` of `parts` of a token's `seen` keys.
+inline std::pair<int64_t, int64_t> share_segments(int64_t seen, int64_t part, int64_t parts) {
+  const int64_t n = segments(seen);
+  return {n * part / parts, n * (part + 1) / parts};
+}
 
 struct Scratch {
   std::vector<int64_t> visible;  // pool offsets (slot * kv_width) of the share's keys
@@ -232,10 +246,11 @@ inline bool nta_fits(int64_t row_bytes) {
   return 2 * kChunk * row_bytes <= l1;
 }
 
-// keys: the pool offsets of the share's n keys; next: the next token's (its first chunk's K rows are prefetched).
+// keys: the pool offsets of a segment's n keys; next: the next_n keys read after them, whose first chunk's K rows
+// are prefetched.
 template <class V, typename P>
 void attend_keys(const Shapes& s, float softcap, const float* q, const P* kc, const P* vc, const int64_t* keys,
-                 int64_t n, const std::vector<int64_t>& next, float* partial, float* p) {
+                 int64_t n, const int64_t* next, int64_t next_n, float* partial, float* p) {
   const int64_t row_bytes = s.kv_heads * s.hd * static_cast<int64_t>(sizeof(P));
   const bool nta = nta_fits(row_bytes);
   for (int64_t c = 0; c < n; c += kChunk) {
@@ -247,8 +262,7 @@ void attend_keys(const Shapes& s, float softcap, const float* q, const P* kc, co
     if (c + kChunk < n)
       stage(nta, vc, keys + c, count, row_bytes, kc, keys + c + kChunk, std::min(kChunk, n - c - kChunk));
     else
-      stage(nta, vc, keys + c, count, row_bytes, kc, next.data(),
-            std::min<int64_t>(kChunk, static_cast<int64_t>(next.size())));
+      stage(nta, vc, keys + c, count, row_bytes, kc, next, std::min(kChunk, next_n));
     chunk_values<V>(s, p, vc, keys + c, count, partial);
   }
 }
@@ -259,7 +273,8 @@ inline void visible_keys(const Shapes& s, const int64_t* kv_slots, const bool* m
   const int64_t b = row / s.qmax, kv_width = s.kv_heads * s.hd;
   const bool* m = mask + row * s.lmax;
   const int64_t* slots = kv_slots + b * s.lmax;
-  const int64_t first = seen * part / parts, last = seen * (part + 1) / parts;
+  const auto [from, to] = share_segments(seen, part, parts);
+  const int64_t first = std::min(from * kSegment, seen), last = std::min(to * kSegment, seen);
   out.resize(static_cast<size_t>(last - first));
   int64_t* o = out.data();
   // A decode's row is usually a run of visible keys from position 0 (no window, no padding inside): its share is
@@ -273,33 +288,43 @@ inline void visible_keys(const Shapes& s, const int64_t* kv_slots, const bool* m
     if (m[l] && i++ >= first) *o++ = slots[l] * kv_width;
 }
 
-// One token (query q) over the keys x.visible (visible_keys) into partial [heads, hd + 2]; the K rows of x.next
-// are prefetched meanwhile (empty: none).
+// One segment of keys into partial [heads, hd + 2], at the CPU's vector width.
 template <typename P>
-void attend_part(const Shapes& s, float scale, float softcap, const float* q, const P* kc, const P* vc,
-                 float* partial, Scratch& x) {
+void attend_segment(const Shapes& s, float softcap, const float* q, const P* kc, const P* vc, const int64_t* keys,
+                    int64_t n, const int64_t* next, int64_t next_n, float* partial, float* p) {
   const int64_t stride = s.hd + 2;
   for (int64_t h = 0; h < s.heads; ++h) {
     partial[h * stride] = -std::numeric_limits<float>::infinity();
     std::fill(partial + h * stride + 1, partial + (h + 1) * stride, 0.0f);
   }
+#ifdef __AVX512F__
+  if (s.hd % 16 == 0) return attend_keys<simd::V16>(s, softcap, q, kc, vc, keys, n, next, next_n, partial, p);
+#endif
+#ifdef ENGINE_KERNELS_AVX2
+  if (s.hd % 8 == 0) return attend_keys<simd::V8>(s, softcap, q, kc, vc, keys, n, next, next_n, partial, p);
+#endif
+  attend_keys<void>(s, softcap, q, kc, vc, keys, n, next, next_n, partial, p);
+}
+
+// One token (query q) over the keys x.visible (visible_keys: whole segments) into a partial a segment,
+// partials [segments, heads, hd + 2]; the K rows of x.next are prefetched after the last one (empty: none).
+template <typename P>
+void attend_part(const Shapes& s, float scale, float softcap, const float* q, const P* kc, const P* vc,
+                 float* partials, Scratch& x) {
   x.q.assign(q, q + s.heads * s.hd);
   for (float& e : x.q) e *= scale;
   x.scores.resize(static_cast<size_t>(s.heads * kChunk));
   const int64_t n = static_cast<int64_t>(x.visible.size());
   const int64_t* keys = x.visible.data();
-#ifdef __AVX512F__
-  if (s.hd % 16 == 0)
-    return attend_keys<simd::V16>(s, softcap, x.q.data(), kc, vc, keys, n, x.next, partial, x.scores.data());
-#endif
-#ifdef ENGINE_KERNELS_AVX2
-  if (s.hd % 8 == 0)
-    return attend_keys<simd::V8>(s, softcap, x.q.data(), kc, vc, keys, n, x.next, partial, x.scores.data());
-#endif
-  attend_keys<void>(s, softcap, x.q.data(), kc, vc, keys, n, x.next, partial, x.scores.data());
+  for (int64_t c = 0; c < n || c == 0; c += kSegment, partials += partial_size(s)) {
+    const int64_t count = std::min(kSegment, n - c);
+    const bool last = c + kSegment >= n;
+    attend_segment(s, softcap, x.q.data(), kc, vc, keys + c, count, last ? x.next.data() : keys + c + kSegment,
+                   last ? static_cast<int64_t>(x.next.size()) : n - c - kSegment, partials, x.scores.data());
+  }
 }
 
-// out[heads * hd] of one token from its `parts` partials: the shares rescaled to the common maximum.
+// out[heads * hd] of one token from its `parts` partials (segments, in order): rescaled to the common maximum.
 inline void combine(const Shapes& s, const float* partials, int64_t parts, float* out) {
   const int64_t hd = s.hd, stride = hd + 2, size = partial_size(s);
   for (int64_t u = 0; u < s.heads; ++u) {

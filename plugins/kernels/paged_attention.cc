@@ -58,9 +58,10 @@ struct Job {
   std::vector<int64_t> tiled;    // the tiles' js, q rows and output rows: three arrays, an entry per tiled token
   std::vector<int64_t> singles;  // the other packed tokens, attended one at a time in `parts` shares
   std::vector<int64_t> seen;     // the keys each single sees (its mask row's count), counted once a step
-  int64_t parts;                 // > 1: each single's keys in shares, an item each
+  int64_t parts;                 // > 1: each single's keys in shares of whole segments, an item each
   int64_t per_item;              // parts == 1: consecutive singles an item takes (each prefetches the next's K)
-  std::vector<float> partials;   // [singles, parts, partial_size]
+  int64_t segs;                  // the most segments a single has (attention_decode.h)
+  std::vector<float> partials;   // [singles, segs, partial_size]: a partial per segment
 };
 
 // Work item i: (tile, KV head) for the first tiles * kv_heads items, then (single token, part), or with one part
@@ -89,11 +90,13 @@ void run_item(void* opaque, size_t i) {
     x.next.clear();
     if (i + 1 < last)
       visible_keys(j.s, j.slots, j.mask, j.rows[j.singles[i + 1]], j.seen[i + 1], part, j.parts, x.next);
-    float* partial = j.partials.data() + (i * j.parts + part) * partial_size(j.s);
+    const int64_t seg = share_segments(j.seen[i], part, j.parts).first;
+    if (seg >= segments(j.seen[i])) continue;   // a share of a short token's keys that holds none
+    float* token = j.partials.data() + i * j.segs * partial_size(j.s);
     attend_part(j.s, j.scale, j.softcap, j.q + j.queries[j.rows[j.singles[i]]] * j.s.heads * j.s.hd, j.kc, j.vc,
-                partial, x);
+                token + seg * partial_size(j.s), x);
     // a whole token's keys: its output is final here, not in attend()'s serial combine after the items
-    if (j.parts == 1) combine(j.s, partial, 1, j.out + j.singles[i] * j.s.heads * j.s.hd);
+    if (j.parts == 1) combine(j.s, token, segments(j.seen[i]), j.out + j.singles[i] * j.s.heads * j.s.hd);
   }
 }
 
@@ -101,7 +104,6 @@ void run_item(void* opaque, size_t i) {
 // a head size that is a multiple of 8); every other token is a single. Tokens in (row, query position) order.
 constexpr int64_t kMinTile = 4;
 constexpr int64_t kMinItems = 4;
-constexpr int64_t kMinShare = 64;  // keys
 
 template <typename P>
 void plan(Job<P>& j) {
@@ -167,7 +169,7 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
     job.seen.push_back(std::count(m, m + s.lmax, true));
   }
   // Split each single token's keys in shares when a step has fewer items than ORT's two-thread pool can share
-  // evenly (a lone decode): flash-decoding's split, a share at least kMinShare keys (fewer keys cost more to hand
+  // evenly (a lone decode): flash-decoding's split, a share at least one segment (fewer keys cost more to hand
   // out and combine than they save: NOTES 38). With many singles, an item takes several in a row (at least
   // kMinItems * 2 items remain for the pool to balance), so each can prefetch the next one's keys.
   const int64_t tile_items = static_cast<int64_t>(job.tiles.size()) * s.kv_heads,
@@ -175,15 +177,16 @@ void attend(const Kernel& k, OrtKernelContext* context, Shapes s, const float* q
   job.parts = 1;
   if (tile_items + singles < kMinItems && singles > 0) {
     const int64_t longest = *std::max_element(job.seen.begin(), job.seen.end());
-    job.parts = std::clamp<int64_t>(longest / kMinShare, 1, (kMinItems + singles - 1) / singles);
+    job.parts = std::clamp<int64_t>(longest / kSegment, 1, (kMinItems + singles - 1) / singles);
   }
   job.per_item = job.parts > 1 ? 1 : std::max<int64_t>(1, singles / (2 * kMinItems));
   const int64_t single_items = (singles + job.per_item - 1) / job.per_item * job.parts;
-  job.partials.resize(static_cast<size_t>(singles * job.parts * partial_size(s)));
+  job.segs = singles ? segments(*std::max_element(job.seen.begin(), job.seen.end())) : 0;
+  job.partials.resize(static_cast<size_t>(singles * job.segs * partial_size(s)));
   parallel_for(k.api, context, static_cast<size_t>(tile_items + single_items), run_item<P>, &job);
   if (job.parts == 1) return;  // the items wrote each token's output
   for (int64_t i = 0; i < singles; ++i)
-    combine(s, job.partials.data() + i * job.parts * partial_size(s), job.parts,
+    combine(s, job.partials.data() + i * job.segs * partial_size(s), segments(job.seen[static_cast<size_t>(i)]),
             out + job.singles[static_cast<size_t>(i)] * s.heads * s.hd);
 }
 

@@ -112,8 +112,8 @@ def attention_graph(num_heads, num_kv_heads, head_dim, scale, softcap, lowering)
 
 STEPS = {
     "prefill": [(23, 23)],
-    "decode-one": [(45, 1)],   # fewer keys than two shares of kMinShare (64): one work item
-    "decode-one-long": [(200, 1)],   # split in 3 shares (flash-decoding), combined after
+    "decode-one": [(45, 1)],   # fewer keys than two segments of 64 (attention_decode.h): one work item
+    "decode-one-long": [(200, 1)],   # split in 3 shares of whole segments (flash-decoding), combined after
     "decode-batch": [(9, 1), (40, 1), (1, 1), (17, 1)],
     "mixed": [(30, 30), (61, 1), (37, 12), (5, 1), (16, 4)],   # prefill, decode, chunked prefills
     # the kernel's prefill tiles (attention_tiles.h): rows of >= 4 tokens in tiles of up to 32 query rows, a short
@@ -148,6 +148,20 @@ def test_kernel_on_two_threads_equals_one(steps):
     step = make_step(rng, STEPS[steps], 3, 64, 9)
     graph = attention_graph(9, 3, 64, 0.125, None, "kernel")
     np.testing.assert_array_equal(run_op(graph, step.feeds, threads=2), run_op(graph, step.feeds, threads=1))
+
+
+@pytest.mark.parametrize("context", [45, 64, 65, 300, 1000])
+def test_a_token_gets_the_same_floats_alone_or_beside_others(context):
+    """A lone decode's keys are split over the threads, the same token beside four others is not: its output must
+    be the same to the bit, which keeps speculative greedy decoding (runtime/speculative/) token-identical."""
+    rng = np.random.default_rng(13)
+    together = make_step(rng, [(context, 1), (50, 1), (70, 1), (130, 1), (20, 1)], 2, 64, 8).feeds
+    alone = {**together, "q": together["q"][:1], "k": together["k"][:1], "v": together["v"][:1],
+             "slot_mapping": together["slot_mapping"][:1], "q_index": np.zeros((1, 1), np.int64),
+             "kv_slots": together["kv_slots"][:1, :context], "attn_mask": together["attn_mask"][:1, :, :, :context],
+             "out_index": np.zeros(1, np.int64)}
+    graph = attention_graph(8, 2, 64, 0.125, None, "kernel")
+    np.testing.assert_array_equal(run_op(graph, alone, threads=2)[0], run_op(graph, together, threads=2)[0])
 
 
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx2"]], ids=["avx2", "plain"])

@@ -42,3 +42,18 @@ def test_a_step_with_one_longer_chunk_takes_the_general_packing():
     chunks = [SeqChunk([1], 5, [0], True), SeqChunk([2, 3], 0, [1], True)]
     inputs = make_step_inputs(chunks, 16, None)
     assert inputs["q_index"].shape == (2, 2) and inputs["attn_mask"].shape == (2, 1, 2, 6)
+
+
+def test_a_verification_chunk_is_rows_of_one_token_each_with_its_logits():
+    """A decode verifying two speculated tokens (num_logits 3) beside a prefill chunk: its three tokens are three
+    rows of one query (the attention kernel's decode path), each seeing its own prefix, and all three give logits."""
+    chunks = [SeqChunk([7, 8, 9, 10, 11], 0, [2], True), SeqChunk([1, 2, 3], 5, [0], 3)]
+    inputs = make_step_inputs(chunks, 16, None)
+    q_index, mask = inputs["q_index"], inputs["attn_mask"][:, 0]
+    assert q_index.shape == (4, 5)   # the prefill's row of 5, then three rows of the verification
+    np.testing.assert_array_equal(q_index[1:, 0], [5, 6, 7])
+    np.testing.assert_array_equal(mask[1:, 0].sum(axis=1), [6, 7, 8])   # positions 5, 6, 7 see keys 0 .. p
+    assert not mask[1:, 1:, 1:].any()   # padded query rows see key 0 only
+    np.testing.assert_array_equal(inputs["logits_indices"], [4, 5, 6, 7])
+    with pytest.raises(Exception, match="wants logits of 4 tokens; it has 3"):
+        make_step_inputs([SeqChunk([1, 2, 3], 5, [0], 4)], 16, None)
