@@ -81,14 +81,22 @@ def serve_command(
     threads: Optional[int] = options.THREADS,
     tp_timeout: float = options.TP_TIMEOUT,
     log_level: str = LOG_LEVEL,
+    speculative: Optional[str] = options.SPECULATIVE,
+    num_speculative_tokens: Optional[int] = options.NUM_SPECULATIVE_TOKENS,
+    draft_engine_dir: Optional[Path] = options.DRAFT_ENGINE_DIR,
+    prompt_lookup_min: Optional[int] = options.PROMPT_LOOKUP_MIN,
+    prompt_lookup_max: Optional[int] = options.PROMPT_LOOKUP_MAX,
 ):
     """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""
     from engine.runtime import LLM
     from engine.runtime.server.app import create_app, run_server
+    from engine.runtime.speculative import SpeculativeConfig
     from engine.runtime.server.config import ServerConfig
     from engine.runtime.server.http_limits import HTTPLimits
 
     _check_flags(port, stream_interval, threads, log_level, api_key)
+    speculation = SpeculativeConfig.of(options.speculative_config(
+        speculative, num_speculative_tokens, draft_engine_dir, prompt_lookup_min, prompt_lookup_max))
     config = ServerConfig(engine_dir=engine_dir, served_model_name=served_model_name or engine_dir.resolve().name,
                           host=host, port=port, api_key=api_key, max_queue=max_queue,
                           scheduling_policy=scheduling_policy, shutdown_timeout=shutdown_timeout,
@@ -105,7 +113,7 @@ def serve_command(
     def load():
         llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
                   threads=threads, scheduling_policy=scheduling_policy, stream_interval=stream_interval,
-                  distributed=distributed)
+                  distributed=distributed, speculative_config=speculation)
         rank_failure.attach(llm)
         return llm
 
