@@ -207,3 +207,31 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both(tiny_engine, tmp
     (draft / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(EngineError, match=f"the draft engine {draft} has a vocabulary of .* and the target engine"):
         LLM(tiny_engine[1], max_kv_tokens=64, speculative_config={"method": "draft", "draft_engine_dir": draft})
+
+
+def test_a_sequence_checkpointed_mid_speculation_resumes_to_the_same_tokens(plain, tiny_engine):
+    """A request captured between speculative steps (drafts are per step, never in the state) and resumed by another
+    speculating engine gives plain decoding's greedy tokens."""
+    import asyncio
+    import json
+    from engine.runtime.sequence_state import SequenceState
+    p = prompts(1, seed=8)[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = plain.generate([p], params)[0].token_ids
+    first = LLM(tiny_engine[1], max_kv_tokens=512, speculative_config=NGRAM)
+    seq, _ = first.make_sequence(p, params, request_id="r")
+    first.core.add_request(seq)
+    while seq.num_output_tokens < 10:
+        first.core.step()
+    (state,) = first.core.snapshot()
+    first.close()
+    state = SequenceState.from_json(json.loads(json.dumps(state.to_json())))
+    second = LLM(tiny_engine[1], max_kv_tokens=512, speculative_config=NGRAM)
+
+    async def run():
+        return [out async for out in second.resume_async(state)]
+    try:
+        assert asyncio.run(run())[-1].token_ids == want
+        assert second.core.speculator.stats.num_drafts > 0
+    finally:
+        second.close()

@@ -48,6 +48,24 @@ def test_llm_over_tp2_engine_generates_what_tp1_does(tiny):
         llm.session.close()
 
 
+def test_speculative_decoding_over_tp2_generates_what_tp1_does(tiny):
+    """Prompt lookup over the tensor-parallel session: verification steps (several logits rows a sequence) cross the
+    ranks' protocol, and the greedy tokens stay those of plain decoding at tp=1."""
+    from tests.runtime.test_speculative import prompts as repeating
+    key = "LlamaForCausalLM"
+    batch = repeating(4, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(tiny.engine(key), max_kv_tokens=512).generate(batch, params)]
+    llm = LLM(tiny.engine(key, tp_size=2), max_kv_tokens=512,
+              speculative_config={"method": "ngram", "prompt_lookup_min": 1, "max_batch_size": 8})
+    try:
+        assert [o.token_ids for o in llm.generate(batch, params)] == expected
+        assert llm.core.speculator.stats.num_accepted_tokens > 0
+        llm.check_all_free()
+    finally:
+        llm.session.close()
+
+
 @pytest.mark.skipif(not bf16_matmul.supported(64), reason="this CPU has no AVX-512 BF16 dot products")
 def test_bfloat16_lm_head_over_tp2_matches_tp1(tiny, tmp_path):
     """--lm-head-dtype bfloat16 on a tied model: tp=1 reads one table for the embedding and lm_head, each tp=2 rank
