@@ -98,12 +98,13 @@ def test_prefix_cache_holds_committed_tokens_only(plain, spec):
                                                                     ignore_eos=True))[0].token_ids
 
 
-def test_preemption_on_a_tiny_pool_gives_the_same_tokens(plain, tiny_engine):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_on_a_tiny_pool_gives_the_same_tokens(plain, tiny_engine, policy):
     ps = prompts(6, seed=4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(ps, params)]
-    small = LLM(tiny_engine[1], max_kv_tokens=64, speculative_config=NGRAM)
-    got = small.generate(ps, params)
+    small = LLM(tiny_engine[1], max_kv_tokens=64, speculative_config=NGRAM, scheduling_policy=policy)
+    got = small.generate(ps, params, priority=[0, 2, 1, 0, 2, 1] if policy == "priority" else 0)
     assert small.core.stats.num_preempted > 0 and small.core.speculator.stats.num_drafts > 0
     assert [o.token_ids for o in got] == want
     small.check_all_free()
