@@ -151,7 +151,10 @@ class EngineCore:
         keeps its accepted prefix plus one token (speculative/verify.py) and gives back the KV blocks past it."""
         starts = np.cumsum([0] + [c.num_logits for c in scored])
         plain = [i for i, c in enumerate(scored) if not c.draft_token_ids]
-        sampled = sample(logits[starts[plain]], [self._row(scored[i].seq) for i in plain]) if plain else None
+        tokens = {}
+        if plain:
+            result = sample(logits[starts[plain]], [self._row(scored[i].seq) for i in plain])
+            tokens = {i: ([int(t)], [lp]) for i, t, lp in zip(plain, result.token_ids, result.logprobs)}
         outputs = []
         for i, c in enumerate(scored):
             seq = c.seq
@@ -159,13 +162,12 @@ class EngineCore:
                 verdict = verify(logits[starts[i]:starts[i + 1]], c.draft_token_ids, self._row(seq),
                                  lambda n, s=seq: self._banned(s, n))
                 self.speculator.record(seq.request_id, len(c.draft_token_ids), verdict.accepted)
-                self._commit(seq, verdict.token_ids, verdict.logprobs)
-                if not seq.is_finished:   # the accepted drafts' K/V are in place; the last token runs next step
-                    seq.num_computed_tokens = seq.num_tokens - 1
-                    self.blocks.trim(seq.request_id, seq.num_tokens)
-            else:
-                j = plain.index(i)
-                self._commit(seq, [int(sampled.token_ids[j])], [sampled.logprobs[j]])
+                tokens[i] = (verdict.token_ids, verdict.logprobs)
+            self._commit(seq, *tokens[i])
+            if c.draft_token_ids and not seq.is_finished:
+                # the accepted drafts' K/V are in place; the last token runs next step
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.blocks.trim(seq.request_id, seq.num_tokens)
             if self._due(self.requests[seq.request_id]):
                 outputs.append(self._output(self.requests[seq.request_id]))
         return outputs
