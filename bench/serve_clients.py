@@ -121,10 +121,11 @@ def baseline(engine_dir: Path, prompts, output_len: int, concurrency: int, max_k
 
 
 def start_server(engine_dir: Path, max_kv_tokens: int, threads: int | None,
-                 stream_interval: int = 1) -> tuple[subprocess.Popen, str]:
+                 stream_interval: int = 1, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`engine serve` on a free port, with `extra` flags; (the process, its URL) once /health answers 200."""
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--engine-dir", str(engine_dir), "--port", "0",
            "--served-model-name", "bench", "--max-kv-tokens", str(max_kv_tokens),
-           "--stream-interval", str(stream_interval)]
+           "--stream-interval", str(stream_interval), *extra]
     if threads:
         cmd += ["--threads", str(threads)]
     env = {k: v for k, v in os.environ.items() if k != "ENGINE_API_KEY"}

@@ -10,6 +10,8 @@ cost of verification as the batch grows (issue #49's goals), in one process, met
          the same variant) and ngram
   batch  one verification step (B sequences x (1 + k) tokens at context 512) against a plain decode step (B x 1),
          B = 1 .. 32: where verifying k drafts stops being nearly free (the speculator's max_batch_size)
+  serve  32 concurrent streams (random prompts of 128 tokens, 128 out) through `engine serve`, with and without
+         --speculative ngram, servers in turns: the adaptive switch must keep the throughput
 Each request runs once per method per round, the methods in turns; every output must equal plain decoding's.
 Decode tok/s is a request's (tokens - 1) / (last token - first token), so the prompt's prefill is left out;
 the proposers' own time (prompt lookup, the draft's steps) is inside it and also shown. Prints tables and writes
@@ -127,6 +129,31 @@ def verify_cost(llm: LLM, k: int, batches: list[int], repeats: int = 5) -> list[
     return rows
 
 
+def serve_turns(engine: Path, threads: int, rounds: int, streams: int = 32, length: int = 128) -> dict:
+    """Output tok/s of `streams` streams through a plain server and a --speculative ngram one, in turns."""
+    import asyncio
+    from bench.serve_clients import run_clients, start_server
+    from engine.runtime.engine_dir import load_engine_config
+    max_seq_len = load_engine_config(engine).build.max_seq_len   # the pool must hold one request of it
+    servers = {"plain": (), "ngram": ("--speculative", "ngram")}
+    rates = {m: [] for m in servers}
+    rng = np.random.default_rng(0)
+    for r in range(rounds):
+        prompts = rng.integers(1000, 20000, (streams, length)).tolist()   # fresh: no prefix-cache hits
+        warm = rng.integers(1000, 20000, (2, length)).tolist()
+        for m in (servers if r % 2 == 0 else list(servers)[::-1]):
+            proc, url = start_server(engine, max(streams * 2 * length, max_seq_len), threads, extra=servers[m])
+            try:
+                asyncio.run(run_clients(url, "bench", warm, 8, 2))
+                rates[m].append(asyncio.run(run_clients(url, "bench", prompts, length, streams))["output_tok_s"])
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    ratios = [n / p for n, p in zip(rates["ngram"], rates["plain"])]
+    return {"plain": statistics.median(rates["plain"]), "ngram": statistics.median(rates["ngram"]),
+            "ratios": ratios, "ratio_median": statistics.median(ratios), "streams": streams, "length": length}
+
+
 def summarize(part: dict, methods: list[str]) -> dict:
     """Per method: median decode tok/s over prompts (each the median of its rounds), and the median ratio to plain."""
     med = {m: {n: statistics.median(v) for n, v in part["rates"][m].items()} for m in methods}
@@ -180,6 +207,11 @@ def main() -> None:
             print(f"  B={r['batch']:3d}  decode {r['plain_ms']:7.1f} ms  verify {r['verify_ms']:7.1f} ms  "
                   f"ratio {r['ratio']:.2f}")
     llm.close()
+    if "serve" in args.parts:
+        result["serve"] = serve_turns(target, args.threads, args.rounds)
+        s = result["serve"]
+        print(f"\n32 streams through engine serve: plain {s['plain']:.1f} tok/s, ngram {s['ngram']:.1f} tok/s, "
+              f"x{s['ratio_median']:.3f} (per round {', '.join(f'{r:.3f}' for r in s['ratios'])})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
     print(f"\nwritten to {RESULTS.relative_to(ROOT)}")
