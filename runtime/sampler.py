@@ -62,7 +62,7 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
     # Rows that are only an argmax (greedy, nothing banned or penalised, no logprobs) read the float32 logits as
     # they are, a batch of only such rows in one call: the same token as steps 1-5 (widening to float64 keeps the
     # order, the first maximum either way) without copying each row twice (2.9 ms of a batch-32 SmolLM2 step).
-    plain = [_argmax_only(row) for row in rows]
+    plain = [argmax_only(row) for row in rows]
     if all(plain):
         np.argmax(logits, axis=1, out=token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=[None] * B)
@@ -104,7 +104,7 @@ def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
 
 
-def _argmax_only(row: SamplingRow) -> bool:
+def argmax_only(row: SamplingRow) -> bool:
     p = row.params
     return (p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids)
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)

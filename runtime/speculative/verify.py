@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampler import SamplingRow, draw, logprob_of, penalised, probabilities
+from ..sampler import SamplingRow, argmax_only, draw, logprob_of, penalised, probabilities
 from ..sampling_params import Logprob
 
 
@@ -42,6 +42,12 @@ def verify(logits: np.ndarray, drafts: Sequence[int], row: SamplingRow, banned_a
     once n tokens are generated (min_tokens)."""
     p = row.params
     out = list(row.output_token_ids)
+    if argmax_only(replace(row, banned_token_ids=banned_at(len(out)))):   # nothing banned now: nor later
+        # greedy with nothing banned or penalised: the float32 rows' argmax, as the sampler's own fast path takes it
+        # (a float64 copy of a 151936-token row per position was ~1 ms of a 1.5B verification step)
+        best = np.argmax(logits, axis=1).tolist()
+        n = next((i for i, (t, d) in enumerate(zip(best, drafts)) if t != d), len(drafts))
+        return Verdict(best[:n + 1], [None] * (n + 1))
     tokens: list[int] = []
     logprobs: list[Logprob | None] = []
     for i in range(len(drafts) + 1):

@@ -84,6 +84,13 @@ def test_logprobs_and_stop_strings_are_those_of_plain_decoding(plain, spec):
     spec.check_all_free()
 
 
+def test_penalties_and_min_tokens_apply_at_each_verified_position(plain, spec):
+    for p in prompts(3, seed=9):
+        params = SamplingParams(temperature=0, max_tokens=30, min_tokens=12, repetition_penalty=1.2,
+                                frequency_penalty=0.3)
+        assert spec.generate([p], params)[0].token_ids == plain.generate([p], params)[0].token_ids
+
+
 def test_prefix_cache_holds_committed_tokens_only(plain, spec):
     """A second request whose prompt is the first one's prompt and output reuses its blocks: the cached K/V must be
     those of the tokens accepted, never of rejected drafts."""
