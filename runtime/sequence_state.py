@@ -53,6 +53,17 @@ class SequenceState:
                    output_token_ids=list(seq.output_token_ids), max_tokens=seq.max_tokens, priority=seq.priority,
                    params=seq.params, rng_state=seq.generator.bit_generator.state)
 
+    @classmethod
+    def at_start(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int) -> "SequenceState":
+        """A request before its first step, which a restart runs again from its prompt: its params must carry a
+        seed, the only way to know the generator it will start from."""
+        if params.seed is None:
+            raise EngineError(f"request {request_id}: only a seeded request's start can be recorded")
+        return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids), output_token_ids=[],
+                   max_tokens=params.max_tokens, priority=priority, params=params,
+                   rng_state=np.random.default_rng(params.seed).bit_generator.state)
+
     def restore_into(self, seq: Sequence) -> None:
         """Give a new Sequence (same prompt and params) this state's generated tokens and generator state."""
         assert seq.num_output_tokens == 0 and list(seq.prompt_token_ids) == self.prompt_token_ids

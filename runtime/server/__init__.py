@@ -11,6 +11,7 @@
     sse.py         the `data:` event format and the resume event ids of a stream
     resume.py      --state-dir: checkpoints of the responses in flight, resuming them after a restart
     state_file.py  the inference-state file those checkpoints are written to (versioned JSON, atomic)
+    journal.py     the request journal: each admitted response appended (group-committed) before its first byte
     body_limit.py  the ASGI middleware answering 413 to oversized request bodies
     internal_errors.py  the ASGI middleware answering unexpected exceptions 500 with a request id, not their text
     http_limits.py each connection's limits below the app: header size (431) and time (408), idle, HTTP/1.0

@@ -10,11 +10,11 @@ also 503 when the engine loop died. The engine runs in the LLM's own thread (its
 event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
 stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
 finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits. With
-state_dir (resume.py) the requests in flight are checkpointed every state_checkpoint_interval seconds, and SIGTERM
-writes the state and exits at once; a server restarted on that directory resumes them, and clients reconnect to
-GET /v1/requests/{id}/stream (SSE, from their Last-Event-ID) or GET /v1/requests/{id} (JSON). A client may name
-its response with an X-Request-Id header (the id becomes cmpl-ID / chatcmpl-ID); every response carries its id
-in the X-Request-Id response header.
+state_dir (resume.py) the requests in flight are journaled when admitted (journal.py) and checkpointed every
+state_checkpoint_interval seconds, and SIGTERM writes the state and exits at once; a server restarted on that
+directory resumes them, and clients reconnect to GET /v1/requests/{id}/stream (SSE, from their Last-Event-ID)
+or GET /v1/requests/{id} (JSON). A client may name its response with an X-Request-Id header (the id becomes
+cmpl-ID / chatcmpl-ID); every response carries its id in the X-Request-Id response header.
 
 Every error is OpenAI's {"error": {"message", "type", "param", "code"}}; what a client sent never causes a 500.
 Admission (429 beyond max_batch_size + max_queue sequences) is admission.py's, the endpoints routes.py's, the

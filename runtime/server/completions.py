@@ -15,7 +15,9 @@ beyond APIError, nor of the app's lifecycle (app.py) or its routes (routes.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -129,6 +131,8 @@ class OpenAIServing:
                     params = req.sampling_params(budget, logprobs=logprobs, choice=j)
                 except EngineError as e:
                     raise APIError(str(e).removeprefix("invalid sampling parameter: "), code="invalid_value")
+                if self.resumable and params.seed is None:     # a restart runs it again from this seed
+                    params = dataclasses.replace(params, seed=secrets.randbits(64))
                 idx = i * req.n + j
                 choices.append(Choice(idx, f"{rid}-{idx}", ids, params))
         return Prepared(rid, int(time.time()), choices, prompts, req.n)

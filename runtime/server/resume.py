@@ -19,8 +19,11 @@ Event ids: every content or finish event of a stream on a server with --state-di
 `id: 0:57,1:12f` = per choice index, the characters (code points) of completion text sent so far, and `f` once
 its finish event was sent. The text is deterministic from the checkpoint (greedy, or sampled from the saved
 generator), so text the client got after the last checkpoint is generated again and skipped, never sent twice.
-What is not saved: requests that arrived after the last checkpoint (the client gets 404 and sends the request
-again), requests asking for logprobs, and responses that finished on the old server (their clients got them).
+Requests admitted after the last checkpoint are in the request journal (journal.py), written before their first
+byte goes out: a restart runs them again from their prompt with the seed they started with (the server gives
+unseeded requests a random one), so a reconnecting client finds them too, whenever the crash came.
+What is not saved: requests asking for logprobs, and responses that finished on the old server (their clients
+got them).
 A client that disconnects from a live server still cancels its request, as without --state-dir.
 
 It owns StateKeeper: which responses are saved, when checkpoints are written, resuming saved responses, and
@@ -43,6 +46,7 @@ from engine.core.errors import EngineError
 
 from ..outputs import RequestOutput
 from ..sequence_state import SequenceState, resumable
+from .journal import Journal
 from .protocol import APIError, internal_error
 from .sse import event_id, parse_event_id, sse_data
 from .state_file import ChoiceState, FinishedChoice, ResponseState, read_state, write_state
@@ -123,7 +127,8 @@ class StateKeeper:
             raise EngineError(f"--state-dir {state_dir} cannot be created ({e}); give a writable directory") from None
         if not os.access(self.state_dir, os.W_OK | os.X_OK):
             raise EngineError(f"--state-dir {state_dir} is not writable; give a directory this server may write")
-        self.saved = read_state(self.state_dir, model)     # a bad file stops the server before it serves
+        self.journal = Journal(self.state_dir, model)
+        self.saved = self._recover()                       # a bad file stops the server before it serves
         self.tracked: dict[str, Tracked] = {}
         self._by_request: dict[str, tuple[str, int]] = {}  # engine request id -> (response id, choice index)
         self._sequences: dict[str, SequenceState] = {}     # the latest captured state of each tracked choice
@@ -137,18 +142,38 @@ class StateKeeper:
 
     # ---- live responses (routes.py, completions.py) ------------------------------------------------------
 
-    def track(self, prep, kind: str, *, include_usage: bool, echo: bool) -> None:
-        """Save this response in checkpoints until untrack(); requests with logprobs are not resumable."""
+    async def track(self, prep, kind: str, *, include_usage: bool, echo: bool, priority: int) -> None:
+        """Save this response in the journal (returning once it is on disk) and in checkpoints until untrack();
+        requests with logprobs are not resumable."""
         if self.stopped or not all(resumable(c.params) for c in prep.choices):
             return
         choices = {c.index: _Choice(c.index, c.request_id, prep.prompts[c.index // prep.n][1] if echo else None)
                    for c in prep.choices}
-        self._add(Tracked(prep.id, kind, prep.created, include_usage, prep.num_prompt_tokens, choices))
+        t = Tracked(prep.id, kind, prep.created, include_usage, prep.num_prompt_tokens, choices)
+        self._add(t)
+        for c in prep.choices:          # until a snapshot has it, a choice is saved as it starts
+            self._sequences[c.request_id] = SequenceState.at_start(c.request_id, c.prompt_ids, c.params, priority)
+        try:
+            await self.journal.admit(t.state(self._sequences))
+        except EngineError as e:
+            self._remove(t)
+            log.error("%s", e)
+            raise APIError("the server cannot record this request for resuming (its --state-dir cannot be "
+                           "written); retry later", status=503, type="service_unavailable") from None
 
     def untrack(self, response_id: str) -> None:
         t = self.tracked.get(response_id)
         if t is not None and not t.resumed and not self.stopped:
             self._remove(t)
+            self.journal.done(response_id)
+
+    def _recover(self) -> list[ResponseState]:
+        """What the last server left to resume: the state file's responses, and those the journal admitted after
+        it, less those whose clients were done with them."""
+        saved = read_state(self.state_dir, self.model)
+        admitted, done = self.journal.read()
+        kept = {r.id for r in saved}
+        return [r for r in saved if r.id not in done] + [r for r in admitted if r.id not in kept | done]
 
     def on_finished(self, request_id: str, out: RequestOutput) -> None:
         """A choice of a live response finished (completions.py): its result is saved until the response is done."""
@@ -199,6 +224,7 @@ class StateKeeper:
         self.stopped = True
         for t in list(self._tasks):
             t.cancel()
+        self.journal.close()
 
     def get(self, response_id: str) -> Tracked:
         t = self.tracked.get(response_id)
@@ -248,6 +274,7 @@ class StateKeeper:
         async with self._lock:
             if self.stopped:
                 return None
+            segment = self.journal.rotate()      # older segments hold only responses this checkpoint will hold
             snapshot = await run_in_threadpool(self.llm.snapshot)
             self._sequences.update((s.request_id, s) for s in snapshot if s.request_id in self._by_request)
             now = time.time()
@@ -259,6 +286,7 @@ class StateKeeper:
                 await run_in_threadpool(write_state, self.state_dir, self.model, responses)
                 self._wrote_empty = not responses
                 self.num_checkpoints += 1
+            await run_in_threadpool(self.journal.drop_before, segment)
             return len(responses)
 
     # ---- what a reconnecting client gets ------------------------------------------------------------------

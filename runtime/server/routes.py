@@ -69,9 +69,9 @@ async def _generate(state: ServerState, request: Request, body, chat: bool):
         prep = await (serving.prepare_chat(body, client_id) if chat
                       else serving.prepare_completion(body, client_id))
         keeper = state.keeper
-        if keeper is not None:        # saved in checkpoints until its client is done with it
-            keeper.track(prep, "chat" if chat else "completion", include_usage=body.include_usage,
-                         echo=not chat and body.echo)
+        if keeper is not None:        # journaled before any byte, then saved in checkpoints until its client is done
+            await keeper.track(prep, "chat" if chat else "completion", include_usage=body.include_usage,
+                               echo=not chat and body.echo, priority=body.priority)
             release = _also(release, lambda: keeper.untrack(prep.id))
         headers = {"X-Request-Id": prep.id}
         if body.stream:

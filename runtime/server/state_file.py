@@ -79,7 +79,7 @@ def write_state(state_dir: Path, model: str, responses: list[ResponseState]) -> 
     """Atomically replace the state file with these responses."""
     state_dir = Path(state_dir)
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "written_at": time.time(), "model": model,
-           "responses": [_response_json(r) for r in responses]}
+           "responses": [response_to_json(r) for r in responses]}
     data = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
     fd, tmp = tempfile.mkstemp(prefix=f".{STATE_FILE}.", suffix=".tmp", dir=state_dir)
     try:
@@ -118,14 +118,14 @@ def read_state(state_dir: Path, model: str) -> list[ResponseState]:
         raise EngineError(f"{path} holds requests for model {doc.get('model')!r}, but this server serves "
                           f"{model!r}; serve that model with this --state-dir, or {fix}")
     try:
-        return [_response(r) for r in doc["responses"]]
+        return [response_from_json(r) for r in doc["responses"]]
     except EngineError as e:
         raise EngineError(f"{path}: {e}; {fix}") from None
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise EngineError(f"{path} is damaged ({type(e).__name__}: {e}); {fix}") from None
 
 
-def _response_json(r: ResponseState) -> dict:
+def response_to_json(r: ResponseState) -> dict:
     return {"id": r.id, "kind": r.kind, "created": r.created, "include_usage": r.include_usage,
             "prompt_tokens": r.prompt_tokens, "finished_at": r.finished_at,
             "choices": [{"index": c.index, "request_id": c.request_id, "echo": c.echo,
@@ -133,7 +133,7 @@ def _response_json(r: ResponseState) -> dict:
                          "result": c.result.__dict__ if c.result else None} for c in r.choices]}
 
 
-def _response(d: dict) -> ResponseState:
+def response_from_json(d: dict) -> ResponseState:
     choices = []
     for c in d["choices"]:
         res = c["result"]

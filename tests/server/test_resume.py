@@ -83,6 +83,39 @@ def read_sse(response, into: dict) -> None:
                     into["finish"].append(ch["finish_reason"])
 
 
+def stream_until_cut(url: str, request: dict, request_id: str, r: dict, read=read_sse) -> httpx.Response | None:
+    """POST a streamed completion and read it into `r` until it ends or the server dies; the response (its
+    status and headers), None when the server died before answering."""
+    resp = None
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=request, headers={"X-Request-Id": request_id},
+                          timeout=120) as resp:
+            read(resp, r)
+    except httpx.TransportError:
+        pass
+    return resp
+
+
+def let_clients_finish(restarted: threading.Event, clients: list[threading.Thread]) -> None:
+    """The restarted server is up: the clients waiting on `restarted` reconnect, and all of them must finish."""
+    restarted.set()
+    for t in clients:
+        t.join(timeout=180)
+    assert not any(t.is_alive() for t in clients), "a client did not finish"
+
+
+def resume_stream(url: str, response_id: str, r: dict, read=read_sse) -> int:
+    """Reconnect to a restarted server for the rest of a response, from the client's last event id (all of it
+    without one: the text so far is dropped); the status, and the events read into `r` when it is 200."""
+    headers = {"Last-Event-ID": r["last"]} if r["last"] else {}
+    with httpx.stream("GET", f"{url}/v1/requests/{response_id}/stream", headers=headers, timeout=120) as resp:
+        if resp.status_code == 200:
+            if r["last"] is None:
+                r["text"] = ""
+            read(resp, r)
+        return resp.status_code
+
+
 def saved_ids(state_dir: Path) -> dict[str, int]:
     """Response id -> tokens generated, per response in the state file ({} before the first checkpoint)."""
     try:
@@ -141,23 +174,13 @@ def test_kill_9_mid_stream_then_restart_resumes_every_request(server_engine, tmp
 
     def resuming_client(i: int):
         r = results[i]
-        try:
-            with httpx.stream("POST", first.url + "/v1/completions", json=body(i, stream=True),
-                              headers={"X-Request-Id": f"r{i}"}, timeout=120) as resp:
-                assert resp.headers["X-Request-Id"] == f"cmpl-r{i}"
-                read_sse(resp, r)
-        except httpx.TransportError:
-            pass
+        resp = stream_until_cut(first.url, body(i, stream=True), f"r{i}", r)
+        assert resp is None or resp.headers["X-Request-Id"] == f"cmpl-r{i}"
         if r["done"]:
             return
         restarted.wait(120)
         r["resumed"] = True
-        headers = {"Last-Event-ID": r["last"]} if r["last"] else {}
-        with httpx.stream("GET", f"{first.url}/v1/requests/cmpl-r{i}/stream", headers=headers, timeout=120) as resp:
-            assert resp.status_code == 200, resp.read()
-            if r["last"] is None:   # nothing arrived before the kill: the whole stream comes again
-                r["text"] = ""
-            read_sse(resp, r)
+        assert resume_stream(first.url, f"cmpl-r{i}", r) == 200
 
     def nonstream_client():
         try:
@@ -180,10 +203,7 @@ def test_kill_9_mid_stream_then_restart_resumes_every_request(server_engine, tmp
         assert any(n > 0 and not done for n, done in cut), f"no stream was cut mid-way: {cut}"
         second = CliServer(server_engine, state_dir, port)
         try:
-            restarted.set()
-            for t in clients:
-                t.join(timeout=180)
-            assert not any(t.is_alive() for t in clients), "a client did not finish"
+            let_clients_finish(restarted, clients)
             expected = reference(second.url)
         finally:
             second.close()
