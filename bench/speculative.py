@@ -175,7 +175,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
-    ap.add_argument("--parts", nargs="+", default=["edits", "open", "batch"])
+    ap.add_argument("--draft-confidence", type=float, nargs="+", default=[0.0],
+                    help="draft_min_confidence values to run, each a method of its own")
+    ap.add_argument("--parts", nargs="+", default=["edits", "open", "batch", "serve"])
     args = ap.parse_args()
 
     target = engine_dir(args.model, args.variant)
@@ -193,7 +195,10 @@ def main() -> None:
         print_part("code edits, batch 1, greedy", part)
     if "open" in args.parts:
         draft = engine_dir(args.draft_model, args.draft_variant or args.variant)
-        methods = {"plain": None, "ngram": spec("ngram"), "draft": spec("draft", draft_engine_dir=draft)}
+        methods = {"plain": None, "ngram": spec("ngram")}
+        for c in args.draft_confidence:
+            methods["draft" if c == 0 else f"draft>{c:g}"] = spec("draft", draft_engine_dir=draft,
+                                                                  draft_min_confidence=c)
         part = run_turns(llm, methods, [(f"open{i}", p) for i, p in enumerate(OPEN)], args.rounds, args.max_tokens)
         part["summary"] = summarize(part, list(methods))
         part["draft"] = {"model": args.draft_model, "engine": str(draft.relative_to(ROOT))}

@@ -20,6 +20,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2             # ngram: the shortest suffix matched
     prompt_lookup_max: int = 4             # ngram: the longest suffix matched, tried first
     draft_engine_dir: Path | None = None   # draft: the engine that proposes (same tokenizer)
+    draft_min_confidence: float = 0.0      # draft: stop a proposal at a token the draft gives less probability
     max_batch_size: int = 4                # no proposals in a step with more decodes than this
     min_acceptance: float = 0.25           # a sequence whose recent drafts were accepted less than this pauses
     pause_steps: int = 16                  # steps a sequence below min_acceptance goes without proposing
@@ -38,6 +39,8 @@ class SpeculativeConfig:
         else:
             _check(self.draft_engine_dir is None,
                    f"--draft-engine-dir {self.draft_engine_dir} is for --speculative draft, not {self.method}")
+        _check(isinstance(self.draft_min_confidence, (int, float)) and 0 <= self.draft_min_confidence < 1,
+               f"speculative draft_min_confidence {self.draft_min_confidence!r} must be in [0, 1)")
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1,
                f"speculative max_batch_size {self.max_batch_size!r} must be an integer >= 1")
         _check(isinstance(self.min_acceptance, (int, float)) and 0 <= self.min_acceptance <= 1,

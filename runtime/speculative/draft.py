@@ -47,6 +47,7 @@ class DraftProposer:
         b = dc.build
         self.max_len, self.budget, self.max_batch = b.max_seq_len, b.max_num_tokens, b.max_batch_size
         self.vocab = min(dc.model.vocab_size, target.model.vocab_size)
+        self.min_confidence = config.draft_min_confidence
         plan = plan_kv_cache(dc, max_kv_tokens=min(config.max_batch_size, b.max_batch_size) * b.max_seq_len)
         self.session = EngineSession(draft_dir, num_blocks=plan.num_blocks, threads=threads)
         self.blocks = BlockManager(plan.num_blocks, b.tokens_per_block, enable_prefix_caching=False)
@@ -97,18 +98,36 @@ class DraftProposer:
             for seq, start, n in taken:
                 self.computed[seq.request_id].extend(seq.token_ids[start:start + n])
                 if start + n == seq.num_tokens:
-                    proposals[seq.request_id] = [int(np.argmax(logits[row]))]
+                    tok = self._confident(logits[row])
+                    proposals[seq.request_id] = [] if tok is None else [tok]
                     row += 1
                 else:
                     later.append((seq, start + n))
             pending = later + pending[len(taken):]
-        # k - 1 single-token steps, each feeding the last proposal
+        # k - 1 single-token steps, each feeding the last proposal, while the draft is confident of it
+        done = {s.request_id for s, _ in group if not proposals.get(s.request_id)}
         for step in range(1, max(k for _, k in group)):
-            live = [(s, proposals[s.request_id]) for s, k in group if k > step]
+            live = [(s, proposals[s.request_id]) for s, k in group if k > step and s.request_id not in done]
+            if not live:
+                break
             chunks = [self._chunk(s, [p[-1]], s.num_tokens + len(p) - 1, True) for s, p in live]
             for (s, p), row in zip(live, self._run(chunks)):
                 self.computed[s.request_id].append(p[-1])
-                p.append(int(np.argmax(row)))
+                tok = self._confident(row)
+                if tok is None:
+                    done.add(s.request_id)
+                else:
+                    p.append(tok)
+
+    def _confident(self, logits: np.ndarray) -> int | None:
+        """The draft's argmax, or None when its probability is below min_confidence (the target would likely
+        reject it: proposing it costs a verified position, and drafting on from it more draft steps)."""
+        tok = int(np.argmax(logits))
+        if self.min_confidence > 0:
+            top = logits[tok]
+            if 1.0 / np.exp(logits - top).sum() < self.min_confidence:
+                return None
+        return tok
 
     def _chunk(self, seq: Sequence, tokens: list[int], start: int, logits: bool) -> SeqChunk:
         return SeqChunk(tokens, start, self.blocks.block_table(seq.request_id), int(logits))

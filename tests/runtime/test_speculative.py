@@ -203,6 +203,21 @@ def test_a_draft_engine_gives_the_same_greedy_output(plain, tiny_engine, other_e
     llm.close()
 
 
+def test_a_draft_stops_proposing_where_it_is_unsure(plain, tiny_engine, other_engine):
+    ps = prompts(4, seed=10)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    counts = []
+    for confidence in (0.0, 0.0033):   # the tiny random model is nearly flat: its top probabilities are 0.003-0.004
+        llm = LLM(tiny_engine[1], max_kv_tokens=8 * 64, speculative_config={
+            "method": "draft", "draft_engine_dir": other_engine, "num_speculative_tokens": 4, "max_batch_size": 8,
+            "draft_min_confidence": confidence})
+        assert [o.token_ids for o in llm.generate(ps, params)] == \
+            [o.token_ids for o in plain.generate(ps, params)]
+        counts.append(llm.core.speculator.stats.num_draft_tokens)
+        llm.close()
+    assert counts[1] < counts[0], counts
+
+
 def test_a_draft_with_another_vocabulary_is_refused_naming_both(tiny_engine, tmp_path):
     import json
     import shutil
