@@ -84,6 +84,12 @@ def test_cli_refuses_bad_flags(server_engine):
     r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--engine-dir", str(server_engine),
                         "--stream-interval", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--stream-interval 0 must be >= 1" in r.stderr and "Traceback" not in r.stderr
+    for flag, value, message in (("--max-header-bytes", "10", "must be at least 1024"),
+                                 ("--header-timeout", "0", "must be > 0 seconds"),
+                                 ("--keep-alive-timeout", "-1", "must be > 0 seconds")):
+        r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--engine-dir", str(server_engine), flag,
+                            value], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"{flag} {value}" in r.stderr and message in r.stderr, r.stderr
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server_engine):
