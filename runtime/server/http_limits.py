@@ -9,8 +9,8 @@ socket open for free (slowloris) or making the event loop, which relays every li
 
 uvicorn's httptools protocol has neither a header limit nor a header timeout (its h11 protocol has the size limit,
 h11_max_incomplete_event_size, which uvicorn_config passes when it must fall back to h11); limited_protocol adds
-both to it by counting the bytes that arrive while a request's headers are incomplete, so a 128 MB header costs
-the server max_header_bytes plus one socket read, never a parse of all of it. It also answers HTTP/1.0 clients
+both to it. It counts the header bytes the parser hands over and the socket reads that leave a request's headers
+incomplete, so a 128 MB header costs the server max_header_bytes plus one read, never a parse of all of it. It also answers HTTP/1.0 clients
 without chunked encoding, which they cannot read: a response without Content-Length is sent as it comes and
 ended by closing the connection. It knows nothing of routes or of the engine.
 
@@ -33,7 +33,7 @@ LINGER_S = 1.0          # after a 431, read and drop the rest for this long, so 
 
 @dataclass(frozen=True)
 class HTTPLimits:
-    max_header_bytes: int = 64 * 1024       # request line + headers, as nginx's and Node's common limits
+    max_header_bytes: int = 64 * 1024       # request line + headers (nginx allows 4 x 8 KiB, Node 16 KiB)
     header_timeout_s: float = 10.0          # to send a request's headers (Node's headersTimeout is 60 s)
     keep_alive_timeout_s: float = 5.0       # idle between two requests of a connection (uvicorn's default)
 
