@@ -167,3 +167,28 @@ def test_a_torn_last_line_is_skipped_and_a_damaged_one_refused(tmp_path):
     with pytest.raises(EngineError, match="for model 'tiny'"):
         Journal(tmp_path, "other").read()
     assert json.loads(lines[0])["format"] == "engine.request_journal"
+
+
+def test_a_restart_resumes_the_checkpoint_and_the_journal_less_what_was_done(tmp_path):
+    """A in the state file and the journal; B, C, E, F only in the journal, C's and E's clients done; D done after
+    the checkpoint that holds it: A, B and F are resumed."""
+    import asyncio
+
+    from engine.runtime.server.resume import StateKeeper
+    from engine.runtime.server.state_file import write_state
+    a, b, c, d = (ResponseState(f"cmpl-{k}", "completion", 0, False, 1, []) for k in "abcd")
+    write_state(tmp_path, "tiny", [a, d])
+    journal = Journal(tmp_path, "tiny")
+
+    async def write():
+        for r in (a, b, c):
+            await journal.admit(r)
+        journal.done("cmpl-c")
+        journal.done("cmpl-d")
+        await journal.admit(ResponseState("cmpl-e", "completion", 0, False, 1, []))
+        journal.done("cmpl-e")
+        await journal.admit(ResponseState("cmpl-f", "completion", 0, False, 1, []))   # flushes the done lines
+    asyncio.run(write())
+    journal.close()
+    keeper = StateKeeper(tmp_path, "tiny", interval=30, result_ttl=600)
+    assert [r.id for r in keeper.saved] == ["cmpl-a", "cmpl-b", "cmpl-f"]
