@@ -22,8 +22,11 @@ class SpeculativeConfig:
     draft_engine_dir: Path | None = None   # draft: the engine that proposes (same tokenizer)
     draft_min_confidence: float = 0.0      # draft: stop a proposal at a token the draft gives less probability
     max_batch_size: int = 4                # no proposals in a step with more decodes than this
-    min_acceptance: float = 0.25           # a sequence whose recent drafts were accepted less than this pauses
-    pause_steps: int = 16                  # steps a sequence below min_acceptance goes without proposing
+    # a verified draft token's cost, as a fraction of a plain decode step, for each sequence in the step (a step of
+    # B decodes verifying k drafts each takes ~1 + verify_cost * k * B plain steps): 0.17-0.24 measured on
+    # Qwen2.5-Coder-1.5B, B = 1-4 (bench/speculative.py's batch part, bench/NOTES.md entry 57)
+    verify_cost: float = 0.2
+    pause_steps: int = 16                  # steps a sequence whose drafts do not pay goes without proposing
 
     def __post_init__(self):
         _check(self.method in METHODS, f"--speculative {self.method!r} is not one of {', '.join(METHODS)}")
@@ -43,8 +46,8 @@ class SpeculativeConfig:
                f"speculative draft_min_confidence {self.draft_min_confidence!r} must be in [0, 1)")
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1,
                f"speculative max_batch_size {self.max_batch_size!r} must be an integer >= 1")
-        _check(isinstance(self.min_acceptance, (int, float)) and 0 <= self.min_acceptance <= 1,
-               f"speculative min_acceptance {self.min_acceptance!r} must be in [0, 1]")
+        _check(isinstance(self.verify_cost, (int, float)) and self.verify_cost >= 0,
+               f"speculative verify_cost {self.verify_cost!r} must be >= 0")
         _check(_is_int(self.pause_steps) and self.pause_steps >= 0,
                f"speculative pause_steps {self.pause_steps!r} must be an integer >= 0")
 

@@ -1,12 +1,14 @@
 """The engine core's side of speculation: who proposes this step, how many tokens, and what was accepted.
 
-Before each step `propose` gives each running sequence that decodes next its drafts (seq.draft_token_ids), unless:
-  - the step would decode more than `max_batch_size` sequences: a decode step is memory-bound at small batches,
-    so verifying k more tokens a sequence costs little beside streaming the weights once, but at larger batches
-    the step becomes compute-bound and rejected drafts cost real time (bench/speculative.py measures where);
-  - the sequence is paused: its recent acceptance rate (an exponential average over its drafts, weight 1/2)
-    fell below `min_acceptance`, so it goes `pause_steps` steps without proposing, then tries afresh;
-  - no room: at most max_tokens - 1 more output tokens and max_seq_len - 1 positions (the step emits up to k + 1).
+Before each step `propose` gives each running sequence that decodes next its drafts (seq.draft_token_ids), when
+they are expected to pay. A step of B decodes that verifies k drafts each costs about 1 + verify_cost * k * B plain
+decode steps (measured: the step is memory-bound only up to its first row; each further row costs compute), and
+emits, for a sequence whose drafts are accepted at rate a, E(a) = (1 - a^(k+1)) / (1 - a) tokens. A sequence
+proposes when E of its recent acceptance rate (an exponential average over its drafts, weight 1/2; 1 at first)
+reaches that cost; else it pauses for `pause_steps` steps and then tries afresh. So the batch size where proposals
+stop follows from the cost: with k = 4 and verify_cost 0.2, a rate of 0.47 pays alone, 0.66 beside one other
+sequence, 0.9 among four; and no step of more than `max_batch_size` decodes proposes at all. No proposal either
+where there is no room: at most max_tokens - 1 more output tokens and max_seq_len - 1 positions.
 After the step the engine core reports each verified draft (`record`); the counters are vLLM's spec-decode ones.
 """
 from __future__ import annotations
@@ -73,12 +75,18 @@ class Speculator:
         decodes = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if not decodes or len(decodes) > self.config.max_batch_size:
             return
+        k_max = self.config.num_speculative_tokens
+        cost = 1 + self.config.verify_cost * k_max * len(decodes)
         seqs, ks = [], []
         for seq in decodes:
             track = self._tracks.setdefault(seq.request_id, _Track())
-            k = min(self.config.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1,
-                    self.max_seq_len - seq.num_tokens)
-            if k > 0 and track.paused_until <= self._step:
+            if track.paused_until > self._step:
+                continue
+            if expected_tokens(track.rate, k_max) < cost:
+                track.paused_until, track.rate = self._step + 1 + self.config.pause_steps, 1.0
+                continue
+            k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1, self.max_seq_len - seq.num_tokens)
+            if k > 0:
                 seqs.append(seq)
                 ks.append(k)
         if not seqs:
@@ -97,13 +105,15 @@ class Speculator:
             st.accepted_per_pos[i] += 1
         track = self._tracks.setdefault(request_id, _Track())
         track.rate += AVERAGE_WEIGHT * (accepted / proposed - track.rate)
-        if track.rate < self.config.min_acceptance:
-            track.paused_until = self._step + 1 + self.config.pause_steps
-            track.rate = 1.0
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
         self.proposer.forget(request_id)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a verified step emits when each draft is accepted with probability `rate` (until the first miss)."""
+    return k + 1.0 if rate >= 1 else (1 - rate ** (k + 1)) / (1 - rate)
 
 
 class NgramProposer:

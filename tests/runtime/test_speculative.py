@@ -12,7 +12,8 @@ from engine.runtime.speculative import SpeculativeConfig, verify
 from engine.runtime.speculative.ngram import propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "max_batch_size": 8}   # the tiny engine's batch: every step speculates
+         "max_batch_size": 8,
+         "verify_cost": 0}   # every step of the tiny engine's batch speculates, whatever the acceptance
 
 
 def prompts(n=6, seed=0):
@@ -188,7 +189,8 @@ def other_engine(tmp_path_factory):
 def test_a_draft_engine_gives_the_same_greedy_output(plain, tiny_engine, other_engine, draft):
     draft_dir = tiny_engine[1] if draft == "itself" else other_engine
     llm = LLM(tiny_engine[1], max_kv_tokens=8 * 64, speculative_config={
-        "method": "draft", "draft_engine_dir": draft_dir, "num_speculative_tokens": 3, "max_batch_size": 8})
+        "method": "draft", "draft_engine_dir": draft_dir, "num_speculative_tokens": 3, "max_batch_size": 8,
+        "verify_cost": 0})
     ps = prompts(6, seed=6) + [np.random.default_rng(7).integers(3, 500, size=45).tolist()]  # 45: a chunked prefill
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     got = llm.generate(ps, params)
@@ -210,7 +212,7 @@ def test_a_draft_stops_proposing_where_it_is_unsure(plain, tiny_engine, other_en
     for confidence in (0.0, 0.0033):   # the tiny random model is nearly flat: its top probabilities are 0.003-0.004
         llm = LLM(tiny_engine[1], max_kv_tokens=8 * 64, speculative_config={
             "method": "draft", "draft_engine_dir": other_engine, "num_speculative_tokens": 4, "max_batch_size": 8,
-            "draft_min_confidence": confidence})
+            "verify_cost": 0, "draft_min_confidence": confidence})
         assert [o.token_ids for o in llm.generate(ps, params)] == \
             [o.token_ids for o in plain.generate(ps, params)]
         counts.append(llm.core.speculator.stats.num_draft_tokens)
@@ -258,3 +260,39 @@ def test_a_sequence_checkpointed_mid_speculation_resumes_to_the_same_tokens(plai
         assert second.core.speculator.stats.num_drafts > 0
     finally:
         second.close()
+
+
+def test_sequences_propose_while_their_acceptance_pays_for_the_batch():
+    """With k = 4 and verify_cost 0.2 a step of B decodes costs 1 + 0.8 B plain steps: a sequence accepting 60% of
+    its drafts (1.6 + ... = 2.3 tokens a step) pays alone (1.8) but not beside another one (2.6), and then pauses."""
+    from engine.runtime.sequence import Sequence
+    from engine.runtime.speculative import Speculator
+    from engine.runtime.speculative.speculator import expected_tokens
+
+    class Always:
+        def propose(self, seqs, ks):
+            return [[7] * k for k in ks]
+
+        def forget(self, request_id):
+            pass
+    assert expected_tokens(1.0, 4) == 5 and abs(expected_tokens(0.6, 4) - 2.3056) < 1e-3
+    spec = Speculator(SpeculativeConfig(method="ngram", pause_steps=3), Always(), max_seq_len=1000)
+
+    def decoding(rid):
+        s = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=100), max_tokens=100)
+        s.num_computed_tokens = s.num_tokens - 1
+        return s
+    a, b = decoding("a"), decoding("b")
+    for _ in range(4):
+        spec.record("a", 4, 2)   # a rate settling at 0.5 a draft: 1.94 tokens a step
+    spec.propose([a])
+    assert a.draft_token_ids == [7] * 4                 # alone: 1.94 >= 1.8
+    a.draft_token_ids = []
+    spec.propose([a, b])
+    assert a.draft_token_ids == [] and b.draft_token_ids == [7] * 4   # a beside b: 1.94 < 2.6; b is new (rate 1)
+    b.draft_token_ids = []
+    for _ in range(3):
+        spec.propose([a])
+        assert a.draft_token_ids == []                  # paused for 3 steps, then tries afresh
+    spec.propose([a])
+    assert a.draft_token_ids == [7] * 4

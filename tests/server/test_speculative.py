@@ -13,7 +13,8 @@ PROMPT = "one two three four one two three four one two three"
 @pytest.fixture(scope="module")
 def spec_server(server_engine):
     s = RunningServer(server_engine, load=lambda: LLM(server_engine, max_kv_tokens=8 * 256, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 8}))
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 8,
+        "verify_cost": 0}))
     s.wait_ready()
     yield s
     s.stop()
