@@ -29,7 +29,7 @@ class Proposer(Protocol):
         """Up to ks[i] tokens to follow seqs[i].token_ids, for each sequence."""
 
     def forget(self, request_id: str) -> None:
-        """The request finished or was preempted: drop what is kept for it."""
+        """The request finished: drop what is kept for it."""
 
 
 @dataclass
