@@ -99,6 +99,11 @@ def bench_command(
     finally:
         llm.close()
 
+    _write_report(report, report_json, plot, as_json, err)
+
+
+def _write_report(report, report_json: Optional[Path], plot: Optional[Path], as_json: bool, err: Console) -> None:
+    """The report to the JSON file and the plot where asked, and to stdout as tables, or as JSON with --json."""
     from engine.core.serde import to_json
     document = to_json(report)
     if report_json is not None:

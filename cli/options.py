@@ -31,9 +31,12 @@ PROMPT_LOOKUP_MAX = typer.Option(None, "--prompt-lookup-max", help="--speculativ
 
 
 def speculative_config(method: str | None, num_speculative_tokens: int | None, draft_engine_dir,
-                       prompt_lookup_min: int | None, prompt_lookup_max: int | None) -> dict | None:
-    """LLM's speculative_config from the flags above; an option given without --speculative is an error."""
+                       prompt_lookup_min: int | None, prompt_lookup_max: int | None):
+    """LLM's speculative_config from the flags above, validated (a SpeculativeConfig, or None without
+    --speculative), so a bad flag is refused before anything loads; an option given without --speculative is an
+    error."""
     from engine.core.errors import EngineError
+    from engine.runtime.speculative import SpeculativeConfig
 
     given = {"num_speculative_tokens": num_speculative_tokens, "draft_engine_dir": draft_engine_dir,
              "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}
@@ -43,4 +46,4 @@ def speculative_config(method: str | None, num_speculative_tokens: int | None, d
             flag = "--" + next(iter(given)).replace("_", "-")
             raise EngineError(f"{flag} needs --speculative ngram or --speculative draft", usage=True)
         return None
-    return {"method": method, **given}
+    return SpeculativeConfig(method=method, **given)

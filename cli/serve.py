@@ -90,13 +90,12 @@ def serve_command(
     """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""
     from engine.runtime import LLM
     from engine.runtime.server.app import create_app, run_server
-    from engine.runtime.speculative import SpeculativeConfig
     from engine.runtime.server.config import ServerConfig
     from engine.runtime.server.http_limits import HTTPLimits
 
     _check_flags(port, stream_interval, threads, log_level, api_key)
-    speculation = SpeculativeConfig.of(options.speculative_config(
-        speculative, num_speculative_tokens, draft_engine_dir, prompt_lookup_min, prompt_lookup_max))
+    speculation = options.speculative_config(speculative, num_speculative_tokens, draft_engine_dir, prompt_lookup_min,
+                                             prompt_lookup_max)
     config = ServerConfig(engine_dir=engine_dir, served_model_name=served_model_name or engine_dir.resolve().name,
                           host=host, port=port, api_key=api_key, max_queue=max_queue,
                           scheduling_policy=scheduling_policy, shutdown_timeout=shutdown_timeout,
