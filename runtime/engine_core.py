@@ -1,5 +1,9 @@
 """One engine step at a time: (propose) -> schedule -> run the session -> sample -> detokenize -> stop checks.
 
+A request with a structured output (structured/) has a grammar matcher: the step's allowed-token masks are computed
+on a worker thread while the session runs, applied by the sampler, and every committed token advances the matcher;
+a grammar that is complete finishes the request (finish_reason "stop").
+
 With a speculator (speculative/), a step first gives decoding sequences drafts of their next tokens, runs each
 with its drafts, and keeps the accepted prefix plus one token (several tokens a step; _verify_step).
 
@@ -29,6 +33,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .sequence import FinishReason, Sequence
 from .sequence_state import SequenceState, resumable
 from .speculative import Speculator, verify
+from .structured import GrammarBackend, MaskRequest, consume, valid_prefix
 from .step_inputs import SeqChunk
 from .tokenizer import Tokenizer
 
@@ -59,8 +64,10 @@ class StepStats:
 class EngineCore:
     def __init__(self, session, tokenizer: Tokenizer, eos_token_ids: Seq[int], *, scheduler: SchedulerConfig,
                  tokens_per_block: int, vocab_size: int, enable_prefix_caching: bool = True,
-                 stream_interval: int = 1, speculator: Speculator | None = None):
+                 stream_interval: int = 1, speculator: Speculator | None = None,
+                 grammars: GrammarBackend | None = None):
         self.session = session
+        self.grammars = grammars
         self.speculator = speculator
         self.stream_interval = stream_interval
         self.tokenizer = tokenizer
@@ -85,6 +92,8 @@ class EngineCore:
         """A resumed sequence (sequence_state.py) arrives with generated tokens: feed them to its detokenizer as
         _check_stop did, one at a time (none of them stopped it), so its text and held-back text are as before."""
         seq = req.seq
+        if seq.matcher is not None:
+            consume(seq.matcher, seq.output_token_ids)
         for k, tok in enumerate(seq.output_token_ids):
             req.detok.update([tok], check_stop=k + 1 >= seq.params.min_tokens)
         req.detok.take_delta(finished=False)
@@ -119,6 +128,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+            for seq in self.scheduler.running:   # a grammar's matcher checks drafts: only allowed ones are verified
+                if seq.matcher is not None and seq.draft_token_ids:
+                    del seq.draft_token_ids[valid_prefix(seq.matcher, seq.draft_token_ids):]
         sched = self.scheduler.schedule()
         st = self.stats
         st.num_steps += 1
@@ -132,13 +144,17 @@ class EngineCore:
         chunks = [SeqChunk(token_ids=c.token_ids, start_pos=c.start_pos,
                            block_table=list(self.blocks.block_table(c.seq.request_id)),
                            num_logits=c.num_logits) for c in sched.chunks]
-        logits = self.session.run(chunks, copy=False)   # sampled before the next run overwrites it
         scored = [c for c in sched.chunks if c.want_logits]
+        constrained = [i for i, c in enumerate(scored) if c.seq.matcher is not None]
+        masks = self.grammars.start_masks([MaskRequest(scored[i].seq.matcher, scored[i].draft_token_ids)
+                                           for i in constrained]) if constrained else None
+        logits = self.session.run(chunks, copy=False)   # sampled before the next run overwrites it
+        allowed = self._allowed_rows(scored, constrained, masks.result()) if masks else [None] * len(scored)
         assert logits.shape[0] == sum(c.num_logits for c in scored), (logits.shape, len(scored))
         logits = np.asarray(logits)[:, :self.vocab_size]
         if any(c.draft_token_ids for c in scored):
-            return self._verify_step(scored, logits)
-        result = sample(logits, [self._row(c.seq) for c in scored])
+            return self._verify_step(scored, logits, allowed)
+        result = sample(logits, [self._row(c.seq, a if a is None else a[0]) for c, a in zip(scored, allowed)])
         outputs = []
         for c, tok, lp in zip(scored, result.token_ids, result.logprobs):
             self._commit(c.seq, [int(tok)], [lp])
@@ -146,21 +162,32 @@ class EngineCore:
                 outputs.append(self._output(self.requests[c.seq.request_id]))
         return outputs
 
-    def _verify_step(self, scored, logits: np.ndarray) -> list[RequestOutput]:
+    @staticmethod
+    def _allowed_rows(scored, constrained: list[int], masks: np.ndarray) -> list[np.ndarray | None]:
+        """Per scored chunk: its rows of the step's grammar masks (one per logits row), or None."""
+        allowed: list[np.ndarray | None] = [None] * len(scored)
+        start = 0
+        for i in constrained:
+            allowed[i] = masks[start:start + scored[i].num_logits]
+            start += scored[i].num_logits
+        return allowed
+
+    def _verify_step(self, scored, logits: np.ndarray, allowed: list) -> list[RequestOutput]:
         """A step with speculated tokens: sequences without drafts sample as usual (one batch), each with drafts
         keeps its accepted prefix plus one token (speculative/verify.py) and gives back the KV blocks past it."""
         starts = np.cumsum([0] + [c.num_logits for c in scored])
         plain = [i for i, c in enumerate(scored) if not c.draft_token_ids]
         tokens = {}
         if plain:
-            result = sample(logits[starts[plain]], [self._row(scored[i].seq) for i in plain])
+            result = sample(logits[starts[plain]], [self._row(scored[i].seq, None if allowed[i] is None
+                                                              else allowed[i][0]) for i in plain])
             tokens = {i: ([int(t)], [lp]) for i, t, lp in zip(plain, result.token_ids, result.logprobs)}
         outputs = []
         for i, c in enumerate(scored):
             seq = c.seq
             if c.draft_token_ids:
                 verdict = verify(logits[starts[i]:starts[i + 1]], c.draft_token_ids, self._row(seq),
-                                 lambda n, s=seq: self._banned(s, n))
+                                 lambda n, s=seq: self._banned(s, n), allowed[i])
                 self.speculator.record(seq.request_id, len(c.draft_token_ids), verdict.accepted)
                 tokens[i] = (verdict.token_ids, verdict.logprobs)
             self._commit(seq, *tokens[i])
@@ -172,10 +199,10 @@ class EngineCore:
                 outputs.append(self._output(self.requests[seq.request_id]))
         return outputs
 
-    def _row(self, seq: Sequence) -> SamplingRow:
+    def _row(self, seq: Sequence, allowed: np.ndarray | None = None) -> SamplingRow:
         return SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
                            output_token_ids=seq.output_token_ids, generator=seq.generator,
-                           banned_token_ids=self._banned(seq))
+                           banned_token_ids=self._banned(seq), allowed=allowed)
 
     def _commit(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
         """Append a step's tokens to `seq` one at a time, each checked for a stop; those after a stop are dropped."""
@@ -185,6 +212,8 @@ class EngineCore:
             if req.logprobs is not None:
                 req.logprobs.append(lp)
             self._check_stop(req, tok)
+            if seq.matcher is not None and consume(seq.matcher, [tok]) and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)    # the grammar is complete: nothing may follow
             if seq.is_finished:
                 break
 

@@ -41,6 +41,7 @@ from .scheduler import DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES, SchedulerConfig
 from .sequence import Sequence
 from .sequence_state import SequenceState
 from .speculative import SpeculativeConfig, make_speculator
+from .structured import GrammarBackend
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine.runtime")
@@ -123,10 +124,12 @@ class LLM:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(eos)
+        self.grammars = GrammarBackend(self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
         self.core = EngineCore(self.session, self.tokenizer, self.eos_token_ids, scheduler=scheduler,
                                tokens_per_block=b.tokens_per_block, vocab_size=self.config.model.vocab_size,
                                enable_prefix_caching=enable_prefix_caching, stream_interval=stream_interval,
-                               speculator=make_speculator(speculative, self.config, self.tokenizer, threads))
+                               speculator=make_speculator(speculative, self.config, self.tokenizer, threads),
+                               grammars=self.grammars)
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
@@ -158,8 +161,11 @@ class LLM:
         ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
         max_tokens = check_request(self.config, self.scheduling_policy, ids, params, priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Sequence(request_id=rid, prompt_token_ids=ids, params=params, max_tokens=max_tokens,
-                        priority=int(priority)), text
+        seq = Sequence(request_id=rid, prompt_token_ids=ids, params=params, max_tokens=max_tokens,
+                       priority=int(priority))
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammars.matcher(params.structured_outputs)
+        return seq, text
 
     def chat_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation under the engine's chat template."""

@@ -22,6 +22,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: np.random.Generator
     banned_token_ids: Sequence[int] = ()   # e.g. eos and stop ids while fewer than min_tokens were generated
+    allowed: np.ndarray | None = None      # bool [vocab]: the tokens a structured output's grammar allows now
 
 
 @dataclass
@@ -36,7 +37,8 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
     Order of operations, per row:
       1. logprobs (when params.logprobs is not None): log-softmax of the raw model logits, before any of the
          steps below (vLLM v1's default "raw_logprobs"); the sampled token's and the top-N are returned.
-      2. banned tokens (min_tokens not reached) get -inf.
+      2. tokens the grammar does not allow (row.allowed, structured outputs) get -inf, then banned tokens
+         (min_tokens not reached) unless the grammar allows nothing else: the grammar wins.
       3. repetition penalty (params.repetition_penalty, 1 = off) over every distinct token of the prompt AND the
          output, as vLLM and transformers do: a positive logit is divided by it, a negative one multiplied.
       4. frequency and presence penalties (OpenAI semantics) over the GENERATED tokens only, the prompt does not
@@ -81,10 +83,17 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
 
 
 def penalised(raw: np.ndarray, row: SamplingRow) -> np.ndarray:
-    """Steps 2-4: a float64 copy of one row's raw logits with banned tokens at -inf and the penalties applied."""
+    """Steps 2-4: a float64 copy of one row's raw logits with disallowed and banned tokens at -inf and the
+    penalties applied."""
     x = np.array(raw, dtype=np.float64)
+    if row.allowed is not None:
+        x[~row.allowed] = -np.inf
     if len(row.banned_token_ids):
-        x[np.asarray(row.banned_token_ids, dtype=np.int64)] = -np.inf
+        banned = np.asarray(row.banned_token_ids, dtype=np.int64)
+        kept = x[banned]
+        x[banned] = -np.inf
+        if row.allowed is not None and not np.isfinite(x).any():
+            x[banned] = kept
     apply_penalties(x, row)
     return x
 
@@ -106,7 +115,7 @@ def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
 
 def argmax_only(row: SamplingRow) -> bool:
     p = row.params
-    return (p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids)
+    return (p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids) and row.allowed is None
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from engine.core.errors import EngineError
 
+from .structured.spec import StructuredOutputs
+
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
@@ -30,6 +32,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True      # in the output text (token ids are always complete)
     logprobs: int | None = None           # None = off; N = the sampled token's logprob and the top N
+    structured_outputs: StructuredOutputs | None = None   # constrain the output (a dict in vLLM's spelling works)
 
     def __post_init__(self):
         # Accept lists and a lone string for the tuple fields; the object stays frozen and hashable.
@@ -37,6 +40,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        object.__setattr__(self, "structured_outputs", StructuredOutputs.of(self.structured_outputs))
         _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
                f"temperature {self.temperature!r} must be >= 0 (0 = greedy)")
         _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k {self.top_k!r} must be an integer >= 0 (0 = off)")

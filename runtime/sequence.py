@@ -50,6 +50,8 @@ class Sequence:
     # tokens speculated to follow token_ids (runtime/speculative/), set before a step and verified after it;
     # never part of token_ids until accepted
     draft_token_ids: list[int] = field(default_factory=list)
+    # the llguidance matcher of a structured output (runtime/structured/), at the tokens committed so far
+    matcher: object = None
 
     def __post_init__(self):
         if not self.token_ids:

@@ -48,6 +48,10 @@ class Tokenizer:
         """Every token (added ones included) and its id."""
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """tokenizer.json's content as `tokenizers` holds it (for llguidance, runtime/structured/)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

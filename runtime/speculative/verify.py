@@ -36,13 +36,15 @@ class Verdict:
         return len(self.token_ids) - 1
 
 
-def verify(logits: np.ndarray, drafts: Sequence[int], row: SamplingRow, banned_at) -> Verdict:
+def verify(logits: np.ndarray, drafts: Sequence[int], row: SamplingRow, banned_at,
+           allowed: np.ndarray | None = None) -> Verdict:
     """`logits` [1 + k, V] of the positions of the sequence's next token and its k `drafts`; `row` the sampling
     row of the first position (its output_token_ids the history before it); `banned_at(n)` the banned token ids
-    once n tokens are generated (min_tokens)."""
+    once n tokens are generated (min_tokens); `allowed` [1 + k, V], the grammar's allowed tokens at each position
+    (structured outputs; the drafts are a prefix the grammar allows)."""
     p = row.params
     out = list(row.output_token_ids)
-    if argmax_only(replace(row, banned_token_ids=banned_at(len(out)))):   # nothing banned now: nor later
+    if allowed is None and argmax_only(replace(row, banned_token_ids=banned_at(len(out)))):   # nothing banned now: nor later
         # greedy with nothing banned or penalised: the float32 rows' argmax, as the sampler's own fast path takes it
         # (a float64 copy of a 151936-token row per position was ~1 ms of a 1.5B verification step)
         best = np.argmax(logits, axis=1).tolist()
@@ -51,7 +53,8 @@ def verify(logits: np.ndarray, drafts: Sequence[int], row: SamplingRow, banned_a
     tokens: list[int] = []
     logprobs: list[Logprob | None] = []
     for i in range(len(drafts) + 1):
-        at = replace(row, output_token_ids=out, banned_token_ids=banned_at(len(out)))
+        at = replace(row, output_token_ids=out, banned_token_ids=banned_at(len(out)),
+                     allowed=None if allowed is None else allowed[i])
         raw = np.asarray(logits[i], dtype=np.float64)
         x = penalised(raw, at)
         draft = drafts[i] if i < len(drafts) else None
