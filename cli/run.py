@@ -65,6 +65,13 @@ SCHEDULING_POLICY = typer.Option("fcfs", "--scheduling-policy", help="fcfs (arri
                                  "--priority first, ties by arrival) (default: fcfs).")
 PRIORITY = typer.Option(None, "--priority", help="Priority of the prompts, lower runs first: once for all prompts "
                         "or once per prompt, in order; needs --scheduling-policy priority (default: 0).")
+JSON_SCHEMA = typer.Option(None, "--json-schema", help="Constrain every output to JSON valid under the JSON schema "
+                           "in this file (default: none).")
+REGEX = typer.Option(None, "--regex", help="Constrain every output to match this regular expression (default: none).")
+CHOICE = typer.Option(None, "--choice", help="Constrain every output to one of these strings; repeat the flag for "
+                      "each choice (default: none).")
+GRAMMAR = typer.Option(None, "--grammar", help="Constrain every output to this Lark or GBNF grammar file (default: "
+                       "none).")
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,10 @@ class RunFlags:
     draft_engine_dir: Optional[Path]
     prompt_lookup_min: Optional[int]
     prompt_lookup_max: Optional[int]
+    json_schema: Optional[Path]
+    regex: Optional[str]
+    choice: Optional[list[str]]
+    grammar: Optional[Path]
 
 
 def run_command(
@@ -137,6 +148,10 @@ def run_command(
     draft_engine_dir: Optional[Path] = options.DRAFT_ENGINE_DIR,
     prompt_lookup_min: Optional[int] = options.PROMPT_LOOKUP_MIN,
     prompt_lookup_max: Optional[int] = options.PROMPT_LOOKUP_MAX,
+    json_schema: Optional[Path] = JSON_SCHEMA,
+    regex: Optional[str] = REGEX,
+    choice: Optional[list[str]] = CHOICE,
+    grammar: Optional[Path] = GRAMMAR,
 ):
     """Generate from prompts with an engine: several prompts run together, with a summary of speeds."""
     flags = RunFlags(**locals())  # first: the parameters are all there is in locals()
@@ -188,7 +203,30 @@ def _sampling_params(flags: RunFlags):
         repetition_penalty=flags.repetition_penalty, presence_penalty=flags.presence_penalty,
         frequency_penalty=flags.frequency_penalty, seed=flags.seed, max_tokens=flags.max_output_len,
         stop=tuple(flags.stop or ()), stop_token_ids=() if flags.end_id is None else (flags.end_id,),
-        ignore_eos=flags.end_id is not None)
+        ignore_eos=flags.end_id is not None, structured_outputs=_structured_outputs(flags))
+
+
+def _structured_outputs(flags: RunFlags) -> dict | None:
+    """The output constraint of --json-schema / --regex / --choice / --grammar (at most one)."""
+    given = {f"--{k.replace('_', '-')}": v for k, v in (("json_schema", flags.json_schema), ("regex", flags.regex),
+                                                      ("choice", flags.choice), ("grammar", flags.grammar)) if v}
+    if len(given) > 1:
+        raise EngineError(f"{' and '.join(given)} each constrain the output; give only one", usage=True)
+    if flags.json_schema is not None:
+        return {"json": _read_text(flags.json_schema, "--json-schema")}
+    if flags.grammar is not None:
+        return {"grammar": _read_text(flags.grammar, "--grammar")}
+    if flags.regex is not None:
+        return {"regex": flags.regex}
+    return {"choice": flags.choice} if flags.choice else None
+
+
+def _read_text(path: Path, flag: str) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise EngineError(f"{flag} {path}: cannot read it ({e.strerror or e}); give a readable text file",
+                          usage=True) from None
 
 
 def _load(flags: RunFlags, distributed, num_prompts: int):

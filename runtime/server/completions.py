@@ -102,6 +102,7 @@ class OpenAIServing:
                     out.append((ids, self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None))
             return out
         prompts = await run_in_threadpool(tokenize)
+        await self.check_structured(req)
         return self._prepare(response_id_for(False, request_id), req, prompts, req.max_tokens, req.logprobs,
                              "prompt")
 
@@ -119,8 +120,20 @@ class OpenAIServing:
             except Exception as e:  # noqa: BLE001 - the template is data; what breaks it is in the messages
                 raise APIError(f"the chat template failed on these messages: {e!r}", param="messages") from None
         ids = await run_in_threadpool(tokenize)
+        await self.check_structured(req)
         return self._prepare(response_id_for(True, request_id), req, [(ids, None)], req.requested_max_tokens,
                              req.num_logprobs, "messages")
+
+    async def check_structured(self, req) -> None:
+        """A 400 naming the field when llguidance cannot enforce the request's constraint, before any response
+        begins (compiled on a worker thread: the first one also builds the tokenizer's llguidance form)."""
+        spec, field = req.structured
+        if spec is not None:
+            try:
+                await run_in_threadpool(self.llm.grammars.matcher, spec)
+            except EngineError as e:
+                raise APIError(f"{field}: {str(e).removeprefix('invalid structured output: ')}", param=field,
+                               code="invalid_value") from None
 
     def _prepare(self, rid, req, prompts, max_tokens, logprobs, what) -> Prepared:
         choices = []

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from .structured_fields import ResponseFormat, StructuredOutputsBody, structured_spec
 
 
 class APIError(Exception):
@@ -126,6 +127,15 @@ class _SamplingBody(_Body):
     service_tier: Optional[Literal["auto", "default"]] = None
     store: Optional[Literal[False]] = None
     logit_bias: Optional[dict[str, float]] = None
+    # Constraints on the output (structured_fields.py): OpenAI's, vLLM's, and vLLM's older names.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsBody] = None
+    guided_json: Optional[Union[dict[str, Any], bool, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    _structured: Any = PrivateAttr(None)
+    _structured_field: Optional[str] = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -137,6 +147,7 @@ class _SamplingBody(_Body):
             raise bad_param("stop", "stop strings must be non-empty")
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
             raise bad_param("stop_token_ids", "stop_token_ids must be >= 0")
+        self._structured, self._structured_field = structured_spec(self)
         return self
 
     @property
@@ -146,6 +157,11 @@ class _SamplingBody(_Body):
     @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def structured(self):
+        """(StructuredOutputs or None, the request field it came from)."""
+        return self._structured, self._structured_field
 
     def sampling_params(self, max_tokens: int, *, logprobs: int | None, choice: int = 0) -> SamplingParams:
         """SamplingParams of choice `choice` (0-based) of this request; raises EngineError on bad combinations."""
@@ -159,7 +175,7 @@ class _SamplingBody(_Body):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop_list,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, structured_outputs=self._structured)
 
 
 PromptInput = Union[str, list[int], list[str], list[list[int]]]
@@ -225,7 +241,6 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -236,9 +251,6 @@ class ChatCompletionRequest(_SamplingBody):
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_param("response_format", "response_format other than {'type': 'text'} is not supported; "
-                            "leave it out")
         if self.tools:
             raise bad_param("tools", "tools are not supported by this server; leave them out")
         if isinstance(self.tool_choice, dict):
