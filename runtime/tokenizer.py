@@ -52,6 +52,10 @@ class Tokenizer:
         """tokenizer.json's content as `tokenizers` holds it (for llguidance, runtime/structured/)."""
         return self._tok.to_str()
 
+    def is_added_token(self, text: str) -> bool:
+        """Whether `text` is one of tokenizer.json's added tokens (a token of its own, such as <tool_call>)."""
+        return any(t.content == text for t in self._tok.get_added_tokens_decoder().values())
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

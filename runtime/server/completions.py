@@ -35,6 +35,7 @@ from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, internal_error
 from .sse import event_id, sse_data
+from .tools import OPEN, ToolStream, parse_tool_calls, with_tools_in_system
 
 log = logging.getLogger("engine.server")
 KEEPALIVE = object()           # an event of `events`: nothing new for keepalive_s
@@ -57,6 +58,7 @@ class Prepared:
     choices: list[Choice]
     prompts: list[tuple[list[int], str | None]]
     n: int
+    parse_tools: bool = False          # tool calls are parsed out of the output (a chat request with tools)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,11 +109,15 @@ class OpenAIServing:
                              "prompt")
 
     async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Prepared:
-        messages = req.template_messages()
+        messages, tools = req.template_messages(), req.template_tools()
+        if tools and "tools" not in (self.tokenizer.chat_template or ""):
+            messages, tools = with_tools_in_system(messages, req.tools), None
+        req.constrain_to_tool_calls(special_tags=self.tokenizer.is_added_token(OPEN))
 
         def tokenize():
             try:
                 return self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                                  **({"tools": tools} if tools else {}),
                                                   **(req.chat_template_kwargs or {}))
             except EngineError as e:
                 raise APIError(str(e), param="messages", code="invalid_value") from None
@@ -121,8 +127,9 @@ class OpenAIServing:
                 raise APIError(f"the chat template failed on these messages: {e!r}", param="messages") from None
         ids = await run_in_threadpool(tokenize)
         await self.check_structured(req)
-        return self._prepare(response_id_for(True, request_id), req, [(ids, None)], req.requested_max_tokens,
+        prep = self._prepare(response_id_for(True, request_id), req, [(ids, None)], req.requested_max_tokens,
                              req.num_logprobs, "messages")
+        return dataclasses.replace(prep, parse_tools=req.tool_mode != "none")
 
     async def check_structured(self, req) -> None:
         """A 400 naming the field when llguidance cannot enforce the request's constraint, before any response
@@ -264,9 +271,11 @@ class OpenAIServing:
             out = finals[c.index]
             lps = {"content": self.chat_logprobs(out.token_ids, out.logprobs), "refusal": None} \
                 if out.logprobs is not None else None
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": out.text,
-                                                          "refusal": None, "tool_calls": []},
-                            "logprobs": lps, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+            content, calls = parse_tool_calls(out.text) if prep.parse_tools else (out.text, [])
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": content,
+                                                          "refusal": None, "tool_calls": calls},
+                            "logprobs": lps, "finish_reason": _finish_reason(out, bool(calls)),
+                            "stop_reason": out.stop_reason})
         return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": self.model_name,
                 "choices": choices, "usage": self.usage(prep, finals)}
 
@@ -285,12 +294,13 @@ class OpenAIServing:
         chars: dict[int, int] = {c.index: 0 for c in prep.choices}   # text sent per choice (resume offsets)
         ended: set[int] = set()                                      # choices whose finish was sent
 
-        def tagged(idx: int, delta: str, finished: bool, sse: str) -> str:
-            chars[idx] += len(delta)
+        def tagged(idx: int, num_chars: int, finished: bool, sse: str) -> str:
+            chars[idx] += num_chars
             if finished:
                 ended.add(idx)
             return f"id: {event_id(chars, ended)}\n{sse}" if self.resumable else sse
         sent: dict[int, int] = {}              # logprobs sent per choice
+        tool_streams = {c.index: ToolStream() for c in prep.choices} if prep.parse_tools else {}
         offsets: dict[int, int] = {}           # text_offset of completion logprobs per choice
         try:
             for c in prep.choices:
@@ -312,21 +322,31 @@ class OpenAIServing:
                         new_lps, lp_ids = out.logprobs[k:], out.token_ids[k:len(out.logprobs)]
                         sent[idx] = len(out.logprobs)
                     if chat:
-                        if out.delta_text or new_lps:
+                        text, calls, used = out.delta_text, [], len(out.delta_text)
+                        if idx in tool_streams:   # calls go out whole; text that may begin one is held
+                            ts = tool_streams[idx]
+                            held = len(ts.held)
+                            text, calls = ts.feed(out.delta_text, final=out.finished)
+                            used += held - len(ts.held)    # resume offsets count the model's text released
+                        if text or new_lps or calls:
                             lps = {"content": self.chat_logprobs(lp_ids, new_lps), "refusal": None} \
                                 if new_lps else None
-                            yield tagged(idx, out.delta_text, False, chunk([{
-                                "index": idx, "delta": {"content": out.delta_text}, "logprobs": lps,
-                                "finish_reason": None}]))
+                            delta = {"content": text, **({"tool_calls": calls} if calls else {})}
+                            yield tagged(idx, used, False, chunk([{
+                                "index": idx, "delta": delta, "logprobs": lps, "finish_reason": None}]))
+                        else:
+                            chars[idx] += used
                         if out.finished:
-                            yield tagged(idx, "", True, chunk([{
-                                "index": idx, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason,
+                            yield tagged(idx, 0, True, chunk([{
+                                "index": idx, "delta": {}, "logprobs": None,
+                                "finish_reason": _finish_reason(out, bool(idx in tool_streams
+                                                                          and tool_streams[idx].num_calls)),
                                 "stop_reason": out.stop_reason}]))
                     elif out.delta_text or new_lps or out.finished:
                         lps = None
                         if new_lps is not None:
                             lps, offsets[idx] = self.completion_logprobs(lp_ids, new_lps, offsets.get(idx, 0))
-                        yield tagged(idx, out.delta_text, out.finished, chunk([{
+                        yield tagged(idx, len(out.delta_text), out.finished, chunk([{
                             "index": idx, "text": out.delta_text, "logprobs": lps,
                             "finish_reason": out.finish_reason if out.finished else None,
                             "stop_reason": out.stop_reason if out.finished else None}]))
@@ -363,3 +383,8 @@ class OpenAIServing:
             return {"token": s, "logprob": max(value, LOGPROB_FLOOR), "bytes": list(s.encode("utf-8"))}
         return [{**entry(tid, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
                 for tid, lp in zip(token_ids, lps)]
+
+
+def _finish_reason(out: RequestOutput, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended by itself after calling tools."""
+    return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason

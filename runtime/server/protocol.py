@@ -4,9 +4,10 @@ Owns what a client may send and what it means; knows nothing of HTTP, the engine
 Every field is either honoured or refused: bodies forbid unknown fields (400 naming the field), and fields
 OpenAI defines that this server cannot honour are accepted only at their harmless values:
   - user, metadata, safety_identifier, prompt_cache_key: accepted and ignored (bookkeeping for OpenAI's side;
-    prefix caching needs no key), parallel_tool_calls (no tools run), service_tier "auto" / "default",
-    store false, best_of equal to n (vLLM's benchmark sends best_of=1), response_format {"type": "text"},
-    tools [] and tool_choice "none" / "auto" without tools, logit_bias {}.
+    prefix caching needs no key), service_tier "auto" / "default", store false, best_of equal to n (vLLM's
+    benchmark sends best_of=1), logit_bias {}.
+Output constraints (response_format, structured_outputs, guided_*) are structured_fields.py's; tools and
+tool_choice are tools.py's.
   - suffix, echo with logprobs (needs prompt logprobs, which the engine does not compute), non-text content
     parts, and anything else: 400.
 Extensions in vLLM's spelling: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
@@ -16,12 +17,14 @@ may be left out (the served model). With n > 1 and a seed, choice j samples with
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from .structured_fields import ResponseFormat, StructuredOutputsBody, structured_spec
+from .tools import NamedToolChoice, ToolDef, check_tools, tool_constraint
 
 
 class APIError(Exception):
@@ -233,6 +236,16 @@ class ChatMessage(BaseModel):
                                    "only (type 'text')", param=f"messages[{index}].content[{j}].type",
                                    code="invalid_value")
             d["content"] = "\n".join(part.text for part in self.content)
+        for j, call in enumerate(d.get("tool_calls") or []):
+            # OpenAI sends arguments as a JSON string; templates (Qwen2.5's) write them with tojson, as an object
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    raise APIError("the arguments of a tool call must be a JSON object's text",
+                                   param=f"messages[{index}].tool_calls[{j}].function.arguments",
+                                   code="invalid_value") from None
         return d
 
 
@@ -241,8 +254,8 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -251,11 +264,27 @@ class ChatCompletionRequest(_SamplingBody):
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.tools:
-            raise bad_param("tools", "tools are not supported by this server; leave them out")
-        if isinstance(self.tool_choice, dict):
-            raise bad_param("tool_choice", "tool_choice naming a tool is not supported (no tools); leave it out")
+        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self.tool_mode != "none" and self._structured is not None:
+            raise bad_param(self._structured_field, f"{self._structured_field} and tools each shape the output; "
+                            "give only one (or tool_choice 'none')")
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools, or tool_choice none), auto (the default with tools), required, or named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def constrain_to_tool_calls(self, special_tags: bool) -> None:
+        """With tool_choice required or a named function, constrain the output to calls (tools.py)."""
+        if self.tool_mode in ("required", "named"):
+            self._structured = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls is True,
+                                               special_tags)
+            self._structured_field = "tools"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -267,6 +296,12 @@ class ChatCompletionRequest(_SamplingBody):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_dict(i) for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template, None when it renders none (tool_choice none)."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class TokenizeRequest(_Body):
