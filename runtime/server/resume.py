@@ -144,8 +144,8 @@ class StateKeeper:
 
     async def track(self, prep, kind: str, *, include_usage: bool, echo: bool, priority: int) -> None:
         """Save this response in the journal (returning once it is on disk) and in checkpoints until untrack();
-        requests with logprobs are not resumable."""
-        if self.stopped or not all(resumable(c.params) for c in prep.choices):
+        requests with logprobs or tools are not resumable (a resumed stream replays text, not tool calls)."""
+        if self.stopped or prep.parse_tools or not all(resumable(c.params) for c in prep.choices):
             return
         choices = {c.index: _Choice(c.index, c.request_id, prep.prompts[c.index // prep.n][1] if echo else None)
                    for c in prep.choices}

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.core.errors import EngineError
 
-from .spec import StructuredOutputs
+from .spec import StructuredOutputs, import_llguidance
 
 
 @dataclass
@@ -38,7 +38,7 @@ class GrammarBackend:
         """The llguidance tokenizer (built once, on first use; call it ahead to warm it)."""
         with self._lock:
             if self._tokenizer is None:
-                import llguidance
+                llguidance = import_llguidance()
                 self._tokenizer = llguidance.LLTokenizer(self._engine_tokenizer.to_json(), n_vocab=self.vocab_size,
                                                          eos_token=self._eos or None)
             return self._tokenizer
@@ -46,7 +46,7 @@ class GrammarBackend:
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for `spec`; EngineError(usage) naming the problem when llguidance refuses it (an
         invalid schema, regex or grammar, or a schema feature it cannot enforce)."""
-        import llguidance
+        llguidance = import_llguidance()
         grammar = spec.grammar_text()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
         if is_error or messages:   # a warning is a part of the constraint that would not be enforced

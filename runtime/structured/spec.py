@@ -64,7 +64,7 @@ class StructuredOutputs:
 
     def grammar_text(self) -> str:
         """The llguidance grammar of this constraint (its validity is checked when a matcher compiles it)."""
-        import llguidance
+        llguidance = import_llguidance()
         try:
             if self.json is not None:
                 return llguidance.grammar_from("json_schema", self.json)
@@ -77,6 +77,15 @@ class StructuredOutputs:
             return llguidance.grammar_from("grammar", self.grammar)
         except ValueError as e:
             _fail(f"the {self.kind} constraint is not valid: {e}")
+
+
+def import_llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise EngineError("structured outputs need the llguidance package: pip install 'engine[structured]' (the "
+                          "serve extra includes it)", usage=True) from None
+    return llguidance
 
 
 def _dumps(value) -> str:
