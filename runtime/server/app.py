@@ -122,6 +122,10 @@ def _warm(llm) -> None:
     ids = llm.tokenizer.encode("Hello") or [0]
     for _ in llm.stream([ids], SamplingParams(temperature=0, max_tokens=2)):
         pass
+    try:   # the tokenizer's llguidance form, else built by the first constrained request (1 s for Qwen2.5's)
+        llm.grammars.tokenizer()
+    except EngineError as e:   # llguidance is not installed: constrained requests will get a 400 saying so
+        log.warning("%s", e)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -49,7 +49,6 @@ def error_of(r: httpx.Response, status: int) -> dict:
     ("/v1/completions", {"prompt": "x", "priority": 3}, "priority"),
     ("/v1/completions", {"max_tokens": 5}, "prompt"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
