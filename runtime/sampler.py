@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from .sampling_params import Logprob, SamplingParams
+from .structured.bitmask import masked_argmax, unpack
 
 
 @dataclass
@@ -22,7 +23,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: np.random.Generator
     banned_token_ids: Sequence[int] = ()   # e.g. eos and stop ids while fewer than min_tokens were generated
-    allowed: np.ndarray | None = None      # bool [vocab]: the tokens a structured output's grammar allows now
+    allowed: np.ndarray | None = None      # the tokens a structured output's grammar allows now (packed bits,
+                                           # structured/bitmask.py)
 
 
 @dataclass
@@ -74,6 +76,10 @@ def sample(logits: np.ndarray, rows: Sequence[SamplingRow]) -> SamplerOutput:
             token_ids[b] = np.argmax(logits[b])
             logprobs.append(None)
             continue
+        if masked_argmax_only(row):    # the same token as steps 2 and 5, without a float64 copy of the row
+            token_ids[b] = masked_argmax(logits[b], row.allowed)
+            logprobs.append(None)
+            continue
         raw = np.asarray(logits[b], dtype=np.float64)
         x = penalised(raw, row)
         tok = int(np.argmax(x)) if p.temperature == 0 else draw(probabilities(x, p), row.generator)
@@ -87,7 +93,7 @@ def penalised(raw: np.ndarray, row: SamplingRow) -> np.ndarray:
     penalties applied."""
     x = np.array(raw, dtype=np.float64)
     if row.allowed is not None:
-        x[~row.allowed] = -np.inf
+        x[~unpack(row.allowed, x.shape[0])] = -np.inf
     if len(row.banned_token_ids):
         banned = np.asarray(row.banned_token_ids, dtype=np.int64)
         kept = x[banned]
@@ -116,6 +122,13 @@ def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
 def argmax_only(row: SamplingRow) -> bool:
     p = row.params
     return (p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids) and row.allowed is None
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
+
+
+def masked_argmax_only(row: SamplingRow) -> bool:
+    """A greedy row whose only processing is its grammar's mask."""
+    p = row.params
+    return (row.allowed is not None and p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids)
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
 
 

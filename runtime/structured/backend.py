@@ -59,8 +59,8 @@ class GrammarBackend:
         return m
 
     def start_masks(self, requests: Sequence[MaskRequest]) -> concurrent.futures.Future:
-        """The allowed-token rows of `requests` ([sum of 1 + len(drafts), vocab] bool), computed on a worker
-        thread; the matchers must not change until the future is done."""
+        """The allowed-token rows of `requests` ([sum of 1 + len(drafts), bytes] packed, bitmask.py), computed on
+        a worker thread; the matchers must not change until the future is done."""
         if self._worker is None:
             import llguidance
             self._executor = llguidance.LLExecutor()
@@ -81,8 +81,7 @@ class GrammarBackend:
             lln.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         if drafted:   # llguidance refuses an empty draft list here
             lln.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-        return bits[:, :self.vocab_size].astype(bool)
+        return bitmask.view(np.uint8)     # packed rows (bitmask.py)
 
 
 def consume(matcher, tokens: Sequence[int]) -> bool:

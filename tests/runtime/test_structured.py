@@ -156,17 +156,26 @@ def test_constraints_the_library_refuses_are_usage_errors_naming_the_problem(llm
 
 # ---- the sampler's masking against a reference ---------------------------------------------------------------
 
+def packed(allowed: np.ndarray) -> np.ndarray:
+    return np.packbits(allowed, axis=-1, bitorder="little")
+
+
 def _row(allowed, **kw):
     return SamplingRow(params=SamplingParams(**kw), prompt_token_ids=[1], output_token_ids=[],
-                       generator=np.random.default_rng(0), allowed=allowed)
+                       generator=np.random.default_rng(0), allowed=packed(allowed))
 
 
-def test_masked_greedy_is_the_argmax_over_allowed_tokens():
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"repetition_penalty": 1.2}])
+def test_masked_greedy_is_the_argmax_over_allowed_tokens(extra):
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(5, 300)).astype(np.float32)
-    allowed = rng.random((5, 300)) < 0.1
-    got = sample(logits, [_row(a, temperature=0) for a in allowed]).token_ids
-    want = [int(np.flatnonzero(a)[np.argmax(lg[a])]) for lg, a in zip(logits, allowed)]
+    logits = rng.normal(size=(6, 300)).astype(np.float32)
+    allowed = rng.random((6, 300)) < 0.1
+    allowed[0, np.argmax(logits[0])] = True      # the plain argmax allowed (the fast path), or not
+    got = sample(logits, [_row(a, temperature=0, **extra) for a in allowed]).token_ids
+    x = logits.astype(np.float64)
+    if extra.get("repetition_penalty"):
+        x[:, 1] = np.where(x[:, 1] > 0, x[:, 1] / 1.2, x[:, 1] * 1.2)    # the prompt's token
+    want = [int(np.flatnonzero(a)[np.argmax(lg[a])]) for lg, a in zip(x, allowed)]
     assert got.tolist() == want
 
 
@@ -189,7 +198,7 @@ def test_the_grammar_wins_over_a_min_tokens_ban():
     allowed[2] = True                      # only eos may follow: a complete grammar
     row = SamplingRow(params=SamplingParams(temperature=0, min_tokens=5, max_tokens=10), prompt_token_ids=[1],
                       output_token_ids=[], generator=np.random.default_rng(0), banned_token_ids=[2],
-                      allowed=allowed)
+                      allowed=packed(allowed))
     assert sample(logits, [row]).token_ids.tolist() == [2]
 
 
@@ -200,7 +209,7 @@ def test_verification_applies_each_positions_mask():
     allowed[0, [1, 7]] = True
     allowed[1, [2]] = True                  # after draft 7, only 2 is allowed: the draft 7 is rejected
     allowed[2, :] = True
-    row = SamplingRow(params=SamplingParams(temperature=0), prompt_token_ids=[1], output_token_ids=[],
-                      generator=np.random.default_rng(0))
-    verdict = verify(logits, [7, 7], row, lambda n: [], allowed)
-    assert verdict.token_ids == [7, 2]
+    for temperature, seed in ((0, 0), (1e-6, 1)):        # the greedy path, and the sampling path at its limit
+        row = SamplingRow(params=SamplingParams(temperature=temperature, seed=seed), prompt_token_ids=[1],
+                          output_token_ids=[], generator=np.random.default_rng(seed))
+        assert verify(logits, [7, 7], row, lambda n: [], packed(allowed)).token_ids == [7, 2]
