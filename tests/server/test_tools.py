@@ -82,13 +82,6 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture
-def client(server):
-    import httpx
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture
 def oai(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
