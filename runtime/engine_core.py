@@ -154,7 +154,7 @@ class EngineCore:
         logits = np.asarray(logits)[:, :self.vocab_size]
         if any(c.draft_token_ids for c in scored):
             return self._verify_step(scored, logits, allowed)
-        result = sample(logits, [self._row(c.seq, a if a is None else a[0]) for c, a in zip(scored, allowed)])
+        result = sample(logits, [self._row(c.seq, _first(a)) for c, a in zip(scored, allowed)])
         outputs = []
         for c, tok, lp in zip(scored, result.token_ids, result.logprobs):
             self._commit(c.seq, [int(tok)], [lp])
@@ -179,8 +179,7 @@ class EngineCore:
         plain = [i for i, c in enumerate(scored) if not c.draft_token_ids]
         tokens = {}
         if plain:
-            result = sample(logits[starts[plain]], [self._row(scored[i].seq, None if allowed[i] is None
-                                                              else allowed[i][0]) for i in plain])
+            result = sample(logits[starts[plain]], [self._row(scored[i].seq, _first(allowed[i])) for i in plain])
             tokens = {i: ([int(t)], [lp]) for i, t, lp in zip(plain, result.token_ids, result.logprobs)}
         outputs = []
         for i, c in enumerate(scored):
@@ -266,3 +265,8 @@ class EngineCore:
                                    finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
                                    num_cached_tokens=seq.num_cached_tokens),
             logprobs=list(req.logprobs) if req.logprobs is not None else None)
+
+
+def _first(rows: np.ndarray | None) -> np.ndarray | None:
+    """A chunk's first mask row (its next token's), or None when it is not constrained."""
+    return None if rows is None else rows[0]

@@ -119,17 +119,20 @@ def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
 
 
-def argmax_only(row: SamplingRow) -> bool:
+def _greedy_as_is(row: SamplingRow) -> bool:
+    """Greedy with nothing banned, penalised or reported: the argmax of the logits (masked, if constrained)."""
     p = row.params
-    return (p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids) and row.allowed is None
+    return (p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids)
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
+
+
+def argmax_only(row: SamplingRow) -> bool:
+    return row.allowed is None and _greedy_as_is(row)
 
 
 def masked_argmax_only(row: SamplingRow) -> bool:
     """A greedy row whose only processing is its grammar's mask."""
-    p = row.params
-    return (row.allowed is not None and p.temperature == 0 and p.logprobs is None and not len(row.banned_token_ids)
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
+    return row.allowed is not None and _greedy_as_is(row)
 
 
 def apply_penalties(x: np.ndarray, row: SamplingRow) -> None:
