@@ -32,6 +32,33 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE). A token's MLP output is the sum over its top_k
+    experts of p_e * expert_e(x), each expert a gated MLP of intermediate_size, where p = softmax(x @ router^T) over
+    all experts, the top_k kept and renormalized to sum 1 when normalize_top_k (Mixtral always; Qwen's
+    norm_topk_prob). A shared expert (shared_intermediate_size > 0, Qwen2-MoE) runs on every token and is added,
+    scaled by sigmoid(x . shared_gate) when shared_gate. dense_layers keep a dense MLP of ModelConfig's
+    intermediate_size (Qwen2-MoE's mlp_only_layers and decoder_sparse_step)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool = True
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_experts < 1 or self.intermediate_size < 1 or self.shared_intermediate_size < 0:
+            raise EngineError(f"num_experts {self.num_experts}, expert intermediate_size {self.intermediate_size} "
+                              f"and shared_intermediate_size {self.shared_intermediate_size} must be positive")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise EngineError(f"top_k {self.top_k} experts per token must be between 1 and num_experts "
+                              f"{self.num_experts}")
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise EngineError("a shared-expert gate needs a shared expert (shared_intermediate_size > 0)")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str               # the exact HF architecture name, e.g. "LlamaForCausalLM"
     vocab_size: int                 # real vocabulary; lm_head may be padded for tensor parallelism
@@ -57,6 +84,7 @@ class ModelConfig:
     sliding_window: int | None = None  # keys visible to a "sliding" layer, the query's own included
     layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; empty means all full
     local_rope: RopeConfig | None = None  # Gemma3: rotary of the sliding layers, when it differs
+    moe: MoeConfig | None = None   # mixture-of-experts MLPs; None: every layer's MLP is dense
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -75,9 +103,16 @@ class ModelConfig:
                 raise EngineError(f"unknown layer types {bad}; known: {', '.join(LAYER_TYPES)}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise EngineError("sliding layers need a sliding_window")
+        if self.moe is not None and not all(0 <= i < self.num_layers for i in self.moe.dense_layers):
+            raise EngineError(f"dense_layers {list(self.moe.dense_layers)} name layers outside "
+                              f"0..{self.num_layers - 1}")
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts (else dense)."""
+        return self.moe is not None and i not in self.moe.dense_layers
 
     @property
     def q_size(self) -> int:

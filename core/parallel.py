@@ -19,6 +19,10 @@ def _tp_problem(model: ModelConfig, tp: int) -> str | None:
         return f"num_kv_heads {model.num_kv_heads} neither divides nor is divisible by {tp}"
     if model.intermediate_size % tp:
         return f"intermediate_size {model.intermediate_size} is not divisible by {tp}"
+    moe = model.moe
+    if moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
+        return (f"the experts' intermediate_size {moe.intermediate_size} or the shared expert's "
+                f"{moe.shared_intermediate_size} is not divisible by {tp}")
     return None
 
 

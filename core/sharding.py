@@ -13,7 +13,12 @@ become one `mlp.gate_up` tensor, each rank holding its own slice of every part:
 
 Splits (TensorRT-LLM's): column-parallel q/k/v, gate, up (dim 0); row-parallel attention.dense and mlp.down
 (dim 1); vocab-parallel lm_head (dim 0, vocabulary zero-padded to a multiple of tp); everything else replicated.
-When tp exceeds the KV heads, each rank gets a copy of KV head `r * kv_heads // tp`.
+When tp exceeds the KV heads, each rank gets a copy of KV head `r * kv_heads // tp`. Stacked experts
+[experts, out, in] split and pack along their last two axes as one projection does (every rank holds every expert's
+slice: the MoE's tensor parallelism), the router is replicated; their gate|up packs per expert:
+
+    rank r of moe.experts.gate_up.weight  [experts, 2 * expert_inter / tp, hidden]
+    expert e: | gate rows of rank r | up rows of rank r |
 """
 from __future__ import annotations
 
@@ -32,8 +37,19 @@ PACKED = {
     "attention.v": ("attention.qkv", 2),
     "mlp.gate": ("mlp.gate_up", 0),
     "mlp.up": ("mlp.gate_up", 1),
+    "moe.experts.gate": ("moe.experts.gate_up", 0),
+    "moe.experts.up": ("moe.experts.gate_up", 1),
+    "moe.shared.gate": ("moe.shared.gate_up", 0),
+    "moe.shared.up": ("moe.shared.gate_up", 1),
 }
-PARTS = {"attention.qkv": ("attention.q", "attention.k", "attention.v"), "mlp.gate_up": ("mlp.gate", "mlp.up")}
+PARTS = {"attention.qkv": ("attention.q", "attention.k", "attention.v"), "mlp.gate_up": ("mlp.gate", "mlp.up"),
+         "moe.experts.gate_up": ("moe.experts.gate", "moe.experts.up"),
+         "moe.shared.gate_up": ("moe.shared.gate", "moe.shared.up")}
+
+
+def out_axis(tensor) -> int:
+    """The out-features axis of a weight (0, or 1 of stacked experts [experts, out, in]); 0 of a bias."""
+    return max(tensor.ndim - 2, 0)
 
 def shard(name: str, tensor: torch.Tensor, model: ModelConfig, tp: int, rank: int) -> torch.Tensor:
     """The slice of logical tensor `name` that rank `rank` of `tp` holds."""
@@ -53,9 +69,9 @@ def shard(name: str, tensor: torch.Tensor, model: ModelConfig, tp: int, rank: in
         head = rank * model.num_kv_heads // tp
         return tensor[head * hd:(head + 1) * hd]
     if kind == "column":
-        return tensor.chunk(tp, dim=0)[rank]
+        return tensor.chunk(tp, dim=out_axis(tensor))[rank]
     if kind == "row":
-        return tensor.chunk(tp, dim=1)[rank]
+        return tensor.chunk(tp, dim=-1)[rank]
     if kind == "vocab":
         pad = padded_vocab_size(model, tp) - tensor.shape[0]
         if pad:
@@ -83,7 +99,7 @@ class Packer:
         del self._pending[key]
         ordered = [parts[i] for i in range(len(parts))]
         if all(isinstance(p, torch.Tensor) for p in ordered):
-            return [(key, torch.cat(ordered, dim=0))]
+            return [(key, torch.cat(ordered, dim=out_axis(ordered[0])))]
         # GGUF blocks (quantization/gguf_tensor.py): stacked when every part is blocks of one kind, else stored apart
         stacked = next(p for p in ordered if not isinstance(p, torch.Tensor)).stack(ordered)
         if stacked is not None:
@@ -106,13 +122,18 @@ def unpack_and_merge(ranks: list[dict[str, torch.Tensor]], model: ModelConfig) -
         "mlp.gate": model.intermediate_size // tp,
         "mlp.up": model.intermediate_size // tp,
     }
+    if model.moe is not None:
+        sizes.update({"moe.experts.gate": model.moe.intermediate_size // tp,
+                      "moe.experts.up": model.moe.intermediate_size // tp,
+                      "moe.shared.gate": model.moe.shared_intermediate_size // tp,
+                      "moe.shared.up": model.moe.shared_intermediate_size // tp})
     per_rank: list[dict[str, torch.Tensor]] = []
     for tensors in ranks:
         logical = {}
         for name, t in tensors.items():
             prefix, suffix, kind = split_name(name)
             if suffix in PARTS:
-                pieces = t.split([sizes[p] for p in PARTS[suffix]], dim=0)
+                pieces = t.split([sizes[p] for p in PARTS[suffix]], dim=out_axis(t))
                 logical.update({f"{prefix}{p}.{kind}": x for p, x in zip(PARTS[suffix], pieces)})
             else:
                 logical[name] = t
@@ -127,9 +148,9 @@ def unpack_and_merge(ranks: list[dict[str, torch.Tensor]], model: ModelConfig) -
             step = tp // model.num_kv_heads
             merged[name] = torch.cat(shards[::step], dim=0)
         elif kind == "row":
-            merged[name] = torch.cat(shards, dim=1)
+            merged[name] = torch.cat(shards, dim=-1)
         else:
-            merged[name] = torch.cat(shards, dim=0)
+            merged[name] = torch.cat(shards, dim=out_axis(shards[0]))
         if kind == "vocab":
             merged[name] = merged[name][:model.vocab_size]
     return merged

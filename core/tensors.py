@@ -3,7 +3,11 @@ tensor-parallel ranks, and the shape one rank holds. One table serves the conver
 checks), the sharder (core/sharding.py) and the memory plan (builder/memory.py). Plain integers, no torch.
 
 Logical names are per HF projection (`layers.3.attention.q.weight`), shapes in torch Linear layout
-[out_features, in_features]. `lm_head.weight` is absent when the embeddings are tied.
+[out_features, in_features]. `lm_head.weight` is absent when the embeddings are tied. A mixture-of-experts layer
+(ModelConfig.moe) has no `mlp.*`: its router `moe.router` [experts, hidden], its experts stacked on a leading axis
+(`moe.experts.gate` [experts, expert_inter, hidden], `.up`, `.down` [experts, hidden, expert_inter]) and, with a
+shared expert, `moe.shared.gate|up|down` as a dense MLP's plus `moe.shared_gate` [1, hidden] when it is gated.
+Column and row splits cut the last two axes (out and in features), so a stacked expert splits as one projection.
 """
 from __future__ import annotations
 
@@ -22,6 +26,12 @@ SPLITS = {
     "mlp.gate": "column",
     "mlp.up": "column",
     "mlp.down": "row",
+    "moe.experts.gate": "column",
+    "moe.experts.up": "column",
+    "moe.experts.down": "row",
+    "moe.shared.gate": "column",
+    "moe.shared.up": "column",
+    "moe.shared.down": "row",
     "lm_head": "vocab",
 }
 
@@ -65,8 +75,27 @@ def logical_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer.update({"attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,)})
     if model.sandwich_norms:
         layer.update({"attn_post_norm.weight": (h,), "mlp_post_norm.weight": (h,)})
+    dense_mlp = ("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
+    moe_layer = {k: v for k, v in layer.items() if k not in dense_mlp} | moe_shapes(model)
     for i in range(model.num_layers):
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
+        shapes.update({f"layers.{i}.{name}": shape
+                       for name, shape in (moe_layer if model.is_moe_layer(i) else layer).items()})
+    return shapes
+
+
+def moe_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The logical tensors of a mixture-of-experts MLP (module docstring), by their names inside a layer."""
+    moe = model.moe
+    if moe is None:
+        return {}
+    h, e, inter, shared = model.hidden_size, moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size
+    shapes = {"moe.router.weight": (e, h), "moe.experts.gate.weight": (e, inter, h),
+              "moe.experts.up.weight": (e, inter, h), "moe.experts.down.weight": (e, h, inter)}
+    if shared:
+        shapes.update({"moe.shared.gate.weight": (shared, h), "moe.shared.up.weight": (shared, h),
+                       "moe.shared.down.weight": (h, shared)})
+    if moe.shared_gate:
+        shapes["moe.shared_gate.weight"] = (1, h)
     return shapes
 
 
@@ -80,10 +109,10 @@ def rank_shape(name: str, shape: tuple[int, ...], model: ModelConfig, tp: int) -
         return (model.num_heads // tp * model.head_dim, *rest)
     if kind == "kv_heads":
         return (kv_heads_per_rank(model, tp) * model.head_dim, *rest)
-    if kind == "column":
-        return (shape[0] // tp, *rest)
-    if kind == "row":
-        return (shape[0], shape[1] // tp)
+    if kind == "column":   # the out features: axis 0, or 1 of stacked experts
+        return (*shape[:-2], shape[-2] // tp, shape[-1])
+    if kind == "row":      # the in features: the last axis
+        return (*shape[:-1], shape[-1] // tp)
     if kind == "vocab":
         return (padded_vocab_size(model, tp) // tp, *rest)
     raise AssertionError(kind)

@@ -11,12 +11,16 @@ from .gemma2 import Gemma2Recipe
 from .gemma3 import Gemma3Recipe
 from .llama import LlamaRecipe
 from .mistral import MistralRecipe
+from .mixtral import MixtralRecipe
 from .phi3 import Phi3Recipe
 from .qwen2 import Qwen2Recipe
+from .qwen2_moe import Qwen2MoeRecipe
 from .qwen3 import Qwen3Recipe
+from .qwen3_moe import Qwen3MoeRecipe
 
 RECIPES: dict[str, type[Recipe]] = {r.architecture: r for r in (
-    LlamaRecipe, MistralRecipe, Qwen2Recipe, Qwen3Recipe, Gemma2Recipe, Gemma3Recipe, Phi3Recipe)}
+    LlamaRecipe, MistralRecipe, Qwen2Recipe, Qwen3Recipe, Gemma2Recipe, Gemma3Recipe, Phi3Recipe,
+    MixtralRecipe, Qwen2MoeRecipe, Qwen3MoeRecipe)}
 
 
 def recipe_for(hf_config: dict) -> Recipe:

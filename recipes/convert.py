@@ -123,9 +123,12 @@ def convert(source: TensorSource, cfg: ConvertConfig, progress: Progress | None 
 # Types of the config.json keys every recipe reads (null always means "absent"). Checked before a recipe computes
 # with them, so "hidden_size": "64" or "tie_word_embeddings": "no" is refused instead of crashing or being misread.
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+# Qwen2MoeConfig writes sliding_window 0 when use_sliding_window is false; a window of 0 is no window
+_COUNTS = ("sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+           "shared_expert_intermediate_size", "decoder_sparse_step")
 _NUMBERS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "qkv_bias")
 
 
 def check_hf_config(hf: dict, path: Path) -> None:
@@ -136,6 +139,10 @@ def check_hf_config(hf: dict, path: Path) -> None:
         value = hf.get(key)
         if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
             bad(key, "a positive integer")
+    for key in _COUNTS:
+        value = hf.get(key)
+        if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0):
+            bad(key, "a non-negative integer")
     for key in _NUMBERS:
         value = hf.get(key)
         if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool) or value < 0):

@@ -99,6 +99,30 @@ def _phi3():
     return Phi3Config(**_common(sliding_window=WINDOW, rms_norm_eps=1e-5))
 
 
+# Mixture-of-experts families: experts narrower than the dense MLP, top-2 routing, every combination of the routing
+# weights' normalization and of shared / dense parts that the families have.
+def _mixtral():
+    # 4 experts, top-2 renormalized (always, in Mixtral); Mistral's one window for all layers
+    from transformers import MixtralConfig
+    return MixtralConfig(**_common(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                   sliding_window=WINDOW))
+
+
+def _qwen2_moe():
+    # 8 experts, top-2 NOT renormalized (norm_topk_prob false, the default), a gated shared expert, qkv bias; layer 0
+    # dense (decoder_sparse_step 2), layer 1 the mixture of experts
+    from transformers import Qwen2MoeConfig
+    return Qwen2MoeConfig(**_common(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                                    num_experts_per_tok=2, decoder_sparse_step=2, rope_theta=1000000.0))
+
+
+def _qwen3_moe():
+    # 8 experts, top-2 renormalized (norm_topk_prob true, as the released models), q/k norms, head_dim 32
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(**_common(head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                    norm_topk_prob=True, rope_theta=1000000.0))
+
+
 # architecture -> config factory. Extra variants of a family use "Arch:variant" keys.
 TINY_CONFIGS = {
     "LlamaForCausalLM": _llama,
@@ -111,7 +135,11 @@ TINY_CONFIGS = {
     "Gemma2ForCausalLM": _gemma2,
     "Gemma3ForCausalLM": _gemma3,
     "Phi3ForCausalLM": _phi3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
 }
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def make_tokenizer(out_dir: Path) -> None:
@@ -149,3 +177,7 @@ def make_tiny_model(key: str, out_dir: Path, seed: int = 0) -> Path:
 
 def architecture(key: str) -> str:
     return key.split(":")[0]
+
+
+def is_moe(key: str) -> bool:
+    return architecture(key) in MOE_ARCHITECTURES

@@ -28,6 +28,7 @@ from tests.tiny_models import TINY_CONFIGS, architecture, make_tiny_model
 
 KEYS = sorted(TINY_CONFIGS)
 SANDWICH = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}  # post_attention_layernorm acts on the attention output
+ONE_MASK = {"MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"}  # their attention keeps no window itself
 _L = r"model\.layers\.(\d+)\."
 HF_TO_CANONICAL = [  # (HF name, canonical name template; {0} = layer, {1} = part, {2} = weight|bias)
     (r"model\.embed_tokens\.weight", "vocab_embedding.weight"),
@@ -40,7 +41,14 @@ HF_TO_CANONICAL = [  # (HF name, canonical name template; {0} = layer, {1} = par
     (_L + r"mlp\.(gate|up|down)_proj\.(weight)", "layers.{0}.mlp.{1}.{2}"),
     (_L + r"pre_feedforward_layernorm\.weight", "layers.{0}.mlp_norm.weight"),
     (_L + r"post_feedforward_layernorm\.weight", "layers.{0}.mlp_post_norm.weight"),
+    # mixture of experts: the router (Mixtral's block_sparse_moe.gate), Qwen2-MoE's shared expert and its gate
+    (_L + r"(?:mlp|block_sparse_moe)\.gate\.weight", "layers.{0}.moe.router.weight"),
+    (_L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", "layers.{0}.moe.shared.{1}.weight"),
+    (_L + r"mlp\.shared_expert_gate\.weight", "layers.{0}.moe.shared_gate.weight"),
 ]
+# one expert's projection (Mixtral: MixtralExperts' w1 gate, w3 up, w2 down) -> stacked on axis 0 by expert index
+EXPERT = re.compile(_L + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +77,12 @@ def hf_model(tiny):
 
 def expected_logical(arch: str, hf: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """HF tensors under canonical logical names, per the transformers modeling code."""
-    out = {}
+    out, experts = {}, {}
     for name, t in hf.items():
+        m = EXPERT.fullmatch(name)
+        if m:
+            experts.setdefault(f"layers.{m[1]}.moe.experts.{EXPERT_PART[m[3]]}.weight", {})[int(m[2])] = t
+            continue
         if arch == "Phi3ForCausalLM" and name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
             i = name.split(".")[2]
             if "qkv_proj" in name:  # Phi3Attention: query_pos = heads * head_dim, then kv_heads * head_dim each
@@ -93,6 +105,8 @@ def expected_logical(arch: str, hf: dict[str, torch.Tensor], config) -> dict[str
                 break
         else:
             raise AssertionError(f"the test's table does not know {name}")
+    for name, by_expert in experts.items():
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
     return out
 
 
@@ -139,6 +153,24 @@ def test_tp_that_cannot_split_the_heads_is_refused(tiny, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def check_moe_against_hf(cfg, hf) -> None:
+    """MoeConfig against the sparse blocks transformers built: which layers, sizes, top-k and its normalization."""
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)] == sparse
+    if not sparse:
+        assert cfg.moe is None
+        return
+    block = hf.model.layers[sparse[0]].mlp
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k) == (block.experts.num_experts, block.gate.top_k)
+    assert moe.intermediate_size == block.experts.intermediate_dim
+    # Mixtral's router always divides the top-k by their sum (MixtralTopKRouter.forward); Qwen's iff norm_topk_prob
+    assert moe.normalize_top_k == getattr(block.gate, "norm_topk_prob", True)
+    shared = getattr(block, "shared_expert", None)
+    assert moe.shared_intermediate_size == (shared.down_proj.in_features if shared is not None else 0)
+    assert moe.shared_gate == hasattr(block, "shared_expert_gate")
+
+
 # ---- semantics against the transformers modules ------------------------------------------------------------------
 
 def _inv_freq(rope, head_dim: int) -> torch.Tensor:
@@ -162,13 +194,17 @@ def check_against_hf(cfg, hf) -> None:
     arch = type(hf).__name__
     base, c = hf.model, hf.config
     layers = base.layers
-    attn, mlp = layers[0].self_attn, layers[0].mlp
+    attn = layers[0].self_attn
+    dense = [layer.mlp for layer in layers if not hasattr(layer.mlp, "experts")]
+    mlp = dense[0] if dense else layers[0].mlp.experts   # the experts' activation when no layer is dense
     assert cfg.architecture == arch
     assert (cfg.vocab_size, cfg.hidden_size) == tuple(base.embed_tokens.weight.shape)
     assert cfg.num_layers == len(layers)
     assert (cfg.num_heads, cfg.num_kv_heads) == (c.num_attention_heads, c.num_key_value_heads)
     assert cfg.head_dim == attn.head_dim
-    assert cfg.intermediate_size == mlp.down_proj.in_features
+    if dense:
+        assert cfg.intermediate_size == mlp.down_proj.in_features
+    check_moe_against_hf(cfg, hf)
     assert cfg.max_position_embeddings == c.max_position_embeddings
     assert cfg.tie_word_embeddings == (hf.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr())
     assert cfg.qkv_bias == (getattr(attn, "q_proj", getattr(attn, "qkv_proj", None)).bias is not None)
@@ -199,8 +235,9 @@ def check_against_hf(cfg, hf) -> None:
 
     for i, layer in enumerate(layers):
         sliding = cfg.layer_type(i) == "sliding"
-        # Mistral and Phi3 apply config.sliding_window to every layer through one mask; the others per layer
-        hf_window = getattr(layer.self_attn, "sliding_window", getattr(c, "sliding_window", None))
+        # Mistral, Phi3 and Mixtral apply config.sliding_window to every layer through one mask; the others per layer
+        one_mask = c.sliding_window if arch in ONE_MASK else None
+        hf_window = getattr(layer.self_attn, "sliding_window", one_mask)
         assert (cfg.sliding_window if sliding else None) == hf_window, f"layer {i}"
         rope = cfg.local_rope if sliding and cfg.local_rope else cfg.rope
         emb = base.rotary_emb
@@ -232,6 +269,15 @@ LEGACY_CONFIGS = {
         num_hidden_layers=4, head_dim=16, sliding_window_pattern=3, rope_theta=5e5, rope_local_base_freq=2e4,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "phi3-eps-omitted": ("phi3", "Phi3ForCausalLM", dict(num_hidden_layers=2, rope_theta=2e4)),
+    "mixtral-defaults": ("mixtral", "MixtralForCausalLM", dict(num_hidden_layers=2)),
+    # hub configs name num_experts (transformers 5 writes num_local_experts); dense layers both ways, derived windows
+    "qwen2-moe-dense-layers": ("qwen2_moe", "Qwen2MoeForCausalLM", dict(
+        num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, mlp_only_layers=[1], use_sliding_window=True, sliding_window=5,
+        max_window_layers=3)),
+    "qwen3-moe-sparse-step": ("qwen3_moe", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+        norm_topk_prob=True)),
 }
 
 
