@@ -38,9 +38,11 @@ def rank_weight_elements(model: ModelConfig, tp: int, max_seq_len: int) -> int:
     return rank_elements(model, tp) + rope_tables * 2 * max_seq_len * (model.head_dim // 2)
 
 
-# logical projections a weight-only mode quantizes (lm_head only with quantize_lm_head or lm_head_dtype int8)
+# logical projections a weight-only mode quantizes (lm_head only with quantize_lm_head or lm_head_dtype int8); a
+# mixture of experts' stacked experts [experts, N, K] one projection an expert (its router stays float32)
 QUANTIZED_PROJECTIONS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.up",
-                         "mlp.down")
+                         "mlp.down", "moe.experts.gate", "moe.experts.up", "moe.experts.down", "moe.shared.gate",
+                         "moe.shared.up", "moe.shared.down")
 
 
 def runs_quant_matmul(quant: QuantConfig, plugins: PluginConfig | None, group_size: int | None = None) -> bool:
@@ -102,10 +104,10 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
             total += quant_matmul.stored_bytes(n, k, bits, group) if packed else \
                 stored_bytes(n, k, bits, group) + n * (k // group) * compute
         elif kind == "weight" and stem in quantized and packed:
-            total += quant_matmul.stored_bytes(*rows_cols, bits, group)
+            total += math.prod(rows_cols[:-2]) * quant_matmul.stored_bytes(*rows_cols[-2:], bits, group)
         elif kind == "weight" and stem in quantized:
             offsets = quant.source_grid and stem != "lm_head"   # layers kept on their grid (weight_only.block_grid)
-            total += stored_bytes(*rows_cols, bits, group, offsets)
+            total += math.prod(rows_cols[:-2]) * stored_bytes(*rows_cols[-2:], bits, group, offsets)
         else:
             total += math.prod(rows_cols) * compute
     return total

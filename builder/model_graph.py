@@ -74,12 +74,13 @@ from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
 from engine.quantization.modes import GGUF, INT8_HEAD_GROUP
 from engine.quantization.weight_only import BITS, WeightOnlyScheme
 
+from .moe_layers import MoeLayers
 from .vocab_tables import VocabTables
 
 Tensors = MutableMapping[str, np.ndarray]
 
 
-class _Builder(VocabTables):
+class _Builder(VocabTables, MoeLayers):
     def __init__(self, model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
                  tp: int, quant: QuantConfig, rank: int = 0):
         self.m, self.t, self.b, self.p, self.tp, self.q, self.rank = model, tensors, build, plugins, tp, quant, rank
@@ -142,8 +143,9 @@ class _Builder(VocabTables):
     def is_calibrated(self, weight_name: str) -> bool:
         return self.calibrated and self.t.has_calibrated(weight_name)
 
-    def mlp(self, x: str, w: str, name: str) -> str:
-        """Gated MLP; with quantized weights composed from quantized projections:
+    def mlp(self, x: str, w: str, name: str, stem: str = "mlp", inter: int | None = None) -> str:
+        """Gated MLP of tensors "{w}{stem}.gate_up|down.weight" (a MoE's shared expert: stem "moe.shared", its
+        `inter` per rank); with quantized weights composed from quantized projections:
 
             gemm_swiglu_plugin:  x ─proj gate_up─▶ Split ─▶ act(gate) * up ─▶ proj down
                                  (SiLU with the engine's kernels: one SwiGLU node from Split to Mul, or with
@@ -151,35 +153,37 @@ class _Builder(VocabTables):
             else:                x ─proj gate─▶ act ─┐ x ─proj up─▶ Mul ─▶ proj down
         """
         m, p, g = self.m, self.p, self.g
-        calibrated = self.is_calibrated(w + "mlp.gate_up.weight")
+        t = f"{w}{stem}."   # the tensors' prefix: "layers.0.mlp." or "layers.0.moe.shared."
+        inter = inter or m.intermediate_size // self.tp
+        calibrated = self.is_calibrated(t + "gate_up.weight")
         if self.scheme is None and not calibrated and not self.gguf:
-            return gated_mlp(g, x, self.take(w + "mlp.gate_up.weight"), self.take(w + "mlp.down.weight"),
-                             m.activation, name=name, weight_name=w + "mlp", plugin=p.gemm_swiglu_plugin,
+            return gated_mlp(g, x, self.take(t + "gate_up.weight"), self.take(t + "down.weight"),
+                             m.activation, name=name, weight_name=t[:-1], plugin=p.gemm_swiglu_plugin,
                              kernel=p.engine_kernels_plugin)
         op = g.scope(name)
         plugin, kernel = p.weight_only_quant_matmul_plugin, p.engine_kernels_plugin
         if p.gemm_swiglu_plugin or self.gguf:
-            fused = self.proj(x, w + "mlp.gate_up.weight", f"{name}/gate_up_proj")
-            hidden = gate_times_up(g, op, fused, m.intermediate_size // self.tp, m.activation, kernel=kernel)
-            down = self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj", row_parallel=True)
+            fused = self.proj(x, t + "gate_up.weight", f"{name}/gate_up_proj")
+            hidden = gate_times_up(g, op, fused, inter, m.activation, kernel=kernel)
+            down = self.proj(hidden, t + "down.weight", f"{name}/down_proj", row_parallel=True)
             return quant_mlp(g, down, name=f"{name}/QuantMLP")
         if calibrated:
-            fused = self.t.pop_calibrated(w + "mlp.gate_up.weight", self.q.mode, self.q.group_size)
+            fused = self.t.pop_calibrated(t + "gate_up.weight", self.q.mode, self.q.group_size)
             half = fused.shape[0] // 2
             gate, up = (calibrated_linear(g, x, part, None, name=f"{name}/{what}_proj",
-                                          weight_name=w + f"mlp.{what}.weight", plugin=plugin,
+                                          weight_name=t + f"{what}.weight", plugin=plugin,
                                           accuracy_level=self.q.accuracy_level or 0, kernel=kernel)
                         for what, part in (("gate", fused.rows(0, half)), ("up", fused.rows(half, 2 * half))))
         else:
-            gate_up = self.take(w + "mlp.gate_up.weight")
+            gate_up = self.take(t + "gate_up.weight")
             half = gate_up.shape[0] // 2
-            gate = linear(g, x, gate_up[:half], None, name=f"{name}/gate_proj", weight_name=w + "mlp.gate.weight",
+            gate = linear(g, x, gate_up[:half], None, name=f"{name}/gate_proj", weight_name=t + "gate.weight",
                           scheme=self.scheme, plugin=plugin, kernel=kernel)
-            up = linear(g, x, gate_up[half:], None, name=f"{name}/up_proj", weight_name=w + "mlp.up.weight",
+            up = linear(g, x, gate_up[half:], None, name=f"{name}/up_proj", weight_name=t + "up.weight",
                         scheme=self.scheme, plugin=plugin, kernel=kernel)
             del gate_up
         hidden = op("Mul", [activate(g, op, gate, m.activation, p.gemm_swiglu_plugin), up])
-        return self.proj(hidden, w + "mlp.down.weight", f"{name}/down_proj", row_parallel=True)
+        return self.proj(hidden, t + "down.weight", f"{name}/down_proj", row_parallel=True)
 
     def all_reduce(self, x: str, name: str) -> str:
         """Sum of the row-parallel partial results across ranks (com.microsoft AllReduce, NCCL builds)."""
@@ -318,7 +322,7 @@ class _Builder(VocabTables):
         normed, hidden = add_rms_norm(g, out, hidden, self.norm_weight(w + "mlp_norm.weight"), m.norm_eps,
                                       name=f"{pre}/pre_feedforward_layernorm", weight_name=w + "mlp_norm.weight",
                                       plugin=p.rmsnorm_plugin, kernel=p.engine_kernels_plugin)
-        mlp = self.mlp(normed, w, f"{pre}/mlp")
+        mlp = self.moe(normed, w, f"{pre}/moe") if m.is_moe_layer(i) else self.mlp(normed, w, f"{pre}/mlp")
         mlp = self.all_reduce(mlp, f"{pre}/mlp/down_proj")
         if m.sandwich_norms:
             mlp = rms_norm(g, mlp, self.norm_weight(w + "mlp_post_norm.weight"), m.norm_eps,

@@ -83,6 +83,11 @@ def quantized_in_features(model: ModelConfig, tp: int, quantize_lm_head: bool) -
     """In features of every quantized projection of one rank (row-parallel ones are split by tp)."""
     ks = {"attention.qkv": model.hidden_size, "attention.dense": model.q_size // tp,
           "mlp.gate_up": model.hidden_size, "mlp.down": model.intermediate_size // tp}
+    if model.moe is not None:   # each expert's projections (and the shared expert's) quantized as a dense MLP's
+        ks.update({"moe.experts.gate_up": model.hidden_size, "moe.experts.down": model.moe.intermediate_size // tp})
+        if model.moe.shared_intermediate_size:
+            ks.update({"moe.shared.gate_up": model.hidden_size,
+                       "moe.shared.down": model.moe.shared_intermediate_size // tp})
     if quantize_lm_head:
         ks["lm_head"] = model.hidden_size
     return ks
@@ -94,6 +99,9 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
     if quant.mode is None:
         return quant
     split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
+    if model.moe is not None and quant.mode not in WEIGHT_ONLY:
+        raise EngineError(f"--dtype {quant.mode} is not supported for mixture-of-experts models yet "
+                          f"({model.architecture}); use {' or '.join(WEIGHT_ONLY)}, or float32", usage=True)
     if quant.mode in CALIBRATED:
         return _resolve_calibrated(quant, model, tp)
     if quant.mode == GGUF:

@@ -8,6 +8,9 @@ registered family without knowing a Hugging Face name, and its module names are 
     layers.{i}.mlp.down         nn.Linear [hidden, inter]                    one SmoothQuant / AWQ input scale)
     lm_head                     nn.Linear [vocab, hidden]  (the embedding, when tied)
 
+A mixture-of-experts layer (ModelConfig.moe) holds `moe` instead of `mlp`: its router, the stacked experts as
+parameters [experts, N, K] (calibrated modes refuse these models: quantization/modes.py) and a shared expert.
+
 The forward is the builder's graph (builder/model_graph.py) in torch over whole sequences of one batch (no paging):
 RMSNorm with the family's weight offset, rotary from plugins/rotary.py's tables, causal attention with GQA, sliding
 window and logit softcap, the gated MLP, sandwich norms. KVCache (one preallocated buffer per layer, written in
@@ -57,10 +60,44 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, take, p: str):
+    def __init__(self, take, p: str, stem: str = "mlp"):
         super().__init__()
-        self.gate_up = _linear(take(p + "mlp.gate_up.weight"))
-        self.down = _linear(take(p + "mlp.down.weight"))
+        self.gate_up = _linear(take(f"{p}{stem}.gate_up.weight"))
+        self.down = _linear(take(f"{p}{stem}.down.weight"))
+
+    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(act(gate) * up)
+
+
+class _MoE(nn.Module):
+    """The tokens of each expert through it, weighted and summed in ascending expert order (plugins/moe.py)."""
+
+    def __init__(self, take, p: str, m: ModelConfig):
+        super().__init__()
+        self.cfg = m.moe
+        self.router = _linear(take(p + "moe.router.weight"))
+        stacked = lambda name: nn.Parameter(torch.from_numpy(take(p + name)), requires_grad=False)  # noqa: E731
+        self.gate_up, self.down = stacked("moe.experts.gate_up.weight"), stacked("moe.experts.down.weight")
+        if self.cfg.shared_intermediate_size:
+            self.shared = _MLP(take, p, "moe.shared")
+        if self.cfg.shared_gate:
+            self.shared_gate = _linear(take(p + "moe.shared_gate.weight"))
+
+    def forward(self, x: torch.Tensor, act) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.router(flat).softmax(-1).topk(self.cfg.top_k, dim=-1)
+        if self.cfg.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        y = torch.zeros_like(flat)
+        for e in range(self.cfg.num_experts):
+            tokens, slot = torch.where(experts == e)
+            gate, up = (flat[tokens] @ self.gate_up[e].T).chunk(2, dim=-1)
+            y.index_add_(0, tokens, (act(gate) * up) @ self.down[e].T * weights[tokens, slot, None])
+        if self.cfg.shared_intermediate_size:
+            shared = self.shared(flat, act)
+            y = y + (torch.sigmoid(self.shared_gate(flat)) * shared if self.cfg.shared_gate else shared)
+        return y.reshape(x.shape)
 
 
 class _Layer(nn.Module):
@@ -69,7 +106,11 @@ class _Layer(nn.Module):
         p = f"layers.{i}."
         norm = lambda name: RMSNorm(take(p + name), m.norm_eps, m.norm_weight_offset)  # noqa: E731
         self.attn_norm, self.mlp_norm = norm("attn_norm.weight"), norm("mlp_norm.weight")
-        self.attention, self.mlp = _Attention(take, p, m), _MLP(take, p)
+        self.attention = _Attention(take, p, m)
+        if m.is_moe_layer(i):
+            self.moe = _MoE(take, p, m)
+        else:
+            self.mlp = _MLP(take, p)
         if m.qk_norm:
             self.q_norm, self.k_norm = norm("attention.q_norm.weight"), norm("attention.k_norm.weight")
         if m.sandwich_norms:
@@ -141,10 +182,9 @@ class CanonicalLM(nn.Module):
             if m.sandwich_norms:
                 out = layer.attn_post_norm(out)
             hidden = hidden + out
-            gate, up = layer.mlp.gate_up(layer.mlp_norm(hidden)).chunk(2, dim=-1)
-            act = nn.functional.silu(gate) if m.activation == "silu" else \
-                nn.functional.gelu(gate, approximate="tanh")
-            out = layer.mlp.down(act * up)
+            act = nn.functional.silu if m.activation == "silu" else \
+                (lambda v: nn.functional.gelu(v, approximate="tanh"))
+            out = (layer.moe if m.is_moe_layer(i) else layer.mlp)(layer.mlp_norm(hidden), act)
             if m.sandwich_norms:
                 out = layer.mlp_post_norm(out)
             hidden = hidden + out

@@ -216,5 +216,6 @@ std::vector<OrtCustomOp*> swiglu_ops();
 std::vector<OrtCustomOp*> quant_matmul_ops();
 std::vector<OrtCustomOp*> bf16_matmul_ops();
 std::vector<OrtCustomOp*> add_rms_norm_ops();
+std::vector<OrtCustomOp*> moe_ops();
 
 }  // namespace engine_kernels
