@@ -2,6 +2,8 @@
 
     engine serve --engine-dir ENGINE --served-model-name smollm2 --port 8000 [--api-key KEY | ENGINE_API_KEY]
 
+    engine serve --engine-dir ENGINE --ray --replicas 2 [--ray-address auto]   # replicas on Ray Serve (serve_ray.py)
+
 Binds 127.0.0.1 unless --host says otherwise. /health answers 200 once the engine is loaded and warmed. SIGTERM
 or Ctrl-C stops admission and lets requests in flight finish for up to --shutdown-timeout seconds; with
 --state-dir it saves them instead and exits at once, and the next server on that directory resumes them. The server
@@ -17,7 +19,7 @@ import typer
 
 from engine.core.errors import EngineError
 
-from . import options
+from . import options, serve_ray
 from .distributed import StopOnRankFailure, distributed_from_env, serve_rank_if_worker
 
 ENGINE_DIR = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required).")
@@ -86,6 +88,12 @@ def serve_command(
     draft_engine_dir: Optional[Path] = options.DRAFT_ENGINE_DIR,
     prompt_lookup_min: Optional[int] = options.PROMPT_LOOKUP_MIN,
     prompt_lookup_max: Optional[int] = options.PROMPT_LOOKUP_MAX,
+    ray: bool = serve_ray.RAY,
+    ray_address: Optional[str] = serve_ray.RAY_ADDRESS,
+    replicas: Optional[int] = serve_ray.REPLICAS,
+    min_replicas: Optional[int] = serve_ray.MIN_REPLICAS,
+    max_replicas: Optional[int] = serve_ray.MAX_REPLICAS,
+    routing: Optional[str] = serve_ray.ROUTING,
 ):
     """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""
     from engine.runtime import LLM
@@ -104,6 +112,12 @@ def serve_command(
                           state_dir=state_dir, state_checkpoint_interval=state_checkpoint_interval,
                           state_result_ttl=state_result_ttl)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    ray_flags = serve_ray.RayFlags(ray, ray_address, replicas, min_replicas, max_replicas, routing)
+    if ray:   # Ray is imported on this path only
+        return serve_ray.serve_with_ray(config, ray_flags, kv_cache_mem_fraction=kv_cache_mem_fraction,
+                                        max_kv_tokens=max_kv_tokens, threads=threads,
+                                        stream_interval=stream_interval, speculation=speculation)
+    ray_flags.check_unused()
     distributed = distributed_from_env(tp_timeout)
     if serve_rank_if_worker(engine_dir, distributed, threads):  # torchrun-style rank > 0: rank 0 serves
         return 0

@@ -1,0 +1,89 @@
+"""Which replica a request goes to: the one that owns the longest run of its leading chunk hashes (prefix_key.py),
+while that replica is not overloaded; otherwise the least-loaded one.
+
+    owner   the replica that first took a chunk hash keeps it (a spilled request does not move it), so a shared
+            system prompt stays cached on one replica instead of on all of them
+    match   the owned hashes count only when they cover at least min_match of the request's hashes: a short
+            opening that every request shares (a greeting, a tool list) attracts nothing
+    bound   the owner takes the request while its load + 1 <= balance_factor x the mean load (this one
+            included) + slack: consistent hashing with bounded loads (Mirrokni et al., 2018), the slack keeping
+            a nearly idle cluster from spilling at its first concurrent requests
+    spill   otherwise the least-loaded replica, ties broken by rendezvous hashing of the first chunk hash, so
+            that every ingress sends a new prefix to the same replica
+
+Loads are requests in flight per replica, as the caller knows them. The ownership table is bounded (least recently
+used hashes are forgotten first) and is this process's: ingress replicas learn ownership independently, and agree
+on new prefixes through the rendezvous tie-break. Knows nothing of Ray (router.py adapts it).
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.core.errors import EngineError
+
+
+@dataclass(frozen=True)
+class AffinityConfig:
+    balance_factor: float = 1.25
+    slack: int = 2
+    min_match: float = 0.1
+    max_entries: int = 1 << 16
+
+    def __post_init__(self):
+        if self.balance_factor < 1:
+            raise EngineError(f"balance_factor {self.balance_factor} must be >= 1 (1: perfectly even loads)",
+                              usage=True)
+        if self.slack < 0 or self.max_entries < 1 or not 0 <= self.min_match <= 1:
+            raise EngineError(f"{self} needs slack >= 0, max_entries >= 1 and min_match in [0, 1]", usage=True)
+
+
+class PrefixAffinity:
+    def __init__(self, config: AffinityConfig = AffinityConfig()):
+        self.config = config
+        self.owners: OrderedDict[int, str] = OrderedDict()     # chunk hash -> replica id, least recent first
+
+    def choose(self, hashes: tuple[int, ...], loads: dict[str, int]) -> str:
+        """The replica for a request with these leading hashes, among `loads` (replica id -> requests in flight);
+        the choice is recorded, so the next request with the same prefix finds its owner."""
+        assert loads, "no replica to choose from"
+        owner = self.owner(hashes, loads)
+        chosen = owner if owner is not None and self._within_bound(owner, loads) else self._least_loaded(hashes, loads)
+        self._record(hashes, chosen, loads)
+        return chosen
+
+    def owner(self, hashes: tuple[int, ...], live) -> str | None:
+        """The live replica owning the deepest of `hashes`, if that run is long enough to matter."""
+        for depth in range(len(hashes), 0, -1):
+            replica = self.owners.get(hashes[depth - 1])
+            if replica is not None and replica in live:
+                return replica if depth >= self.config.min_match * len(hashes) else None
+        return None
+
+    def forget(self, replica: str) -> None:
+        """A replica that died or was removed owns nothing any more (its successor starts with a cold cache)."""
+        for h in [h for h, r in self.owners.items() if r == replica]:
+            del self.owners[h]
+
+    def _within_bound(self, replica: str, loads: dict[str, int]) -> bool:
+        mean = (sum(loads.values()) + 1) / len(loads)
+        return loads[replica] + 1 <= self.config.balance_factor * mean + self.config.slack
+
+    @staticmethod
+    def _least_loaded(hashes: tuple[int, ...], loads: dict[str, int]) -> str:
+        least = min(loads.values())
+        tied = sorted(r for r, load in loads.items() if load == least)
+        if not hashes:
+            return random.choice(tied)
+        key = hashes[0].to_bytes(8, "little")
+        return max(tied, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
+
+    def _record(self, hashes: tuple[int, ...], chosen: str, live) -> None:
+        for h in hashes:
+            if self.owners.get(h) not in live:
+                self.owners[h] = chosen
+            self.owners.move_to_end(h)
+        while len(self.owners) > self.config.max_entries:
+            self.owners.popitem(last=False)

@@ -1,0 +1,113 @@
+"""The Ray Serve application: an Ingress deployment in front of N LLMReplica deployments.
+
+    build_application(replica, cluster)   from the configs (`engine serve --ray` uses it, run.py)
+    build_app(args)                       the builder for Ray's own tools, with the same settings as arguments:
+
+    serve run engine.runtime.replicas.app:build_app engine_dir=/models/eng replicas=2 threads=8
+    # or in a Serve config file / a KubeRay RayService:  import_path: engine.runtime.replicas.app:build_app
+
+Each replica reserves `threads` CPUs from Ray and admits at most its server's capacity (max batch size + max queue)
+of requests at once: Ray sends a replica no more than that, holds the rest before the replicas (at most max_queue
+of them, the rest are 429), and with min/max replicas autoscales on ongoing requests. The engine directory must be
+readable at the same path here and on every node that runs a replica (a shared volume, or a copy on each).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from ..engine_dir import load_engine_config
+from ..server.config import ServerConfig
+from ..speculative.config import SpeculativeConfig
+from .affinity import AffinityConfig
+from .config import ClusterConfig, EngineOptions, ReplicaConfig
+from .ingress import Ingress, IngressConfig
+from .replica import LLMReplica
+from .router import PrefixAwareRouter
+
+APP_NAME = "engine"
+
+
+def build_application(replica: ReplicaConfig, cluster: ClusterConfig):
+    """The bound application (serve.run takes it): the ingress, holding a handle to the replicas."""
+    server = replica.server
+    build = load_engine_config(server.engine_dir).build         # a bad engine dir fails here, before any replica
+    capacity = build.max_batch_size + server.max_queue
+    replicas = serve.deployment(LLMReplica, name="LLMReplica").options(
+        **_scaling(cluster, build.max_batch_size),
+        max_ongoing_requests=capacity,
+        max_queued_requests=max(1, server.max_queue),     # Ray's 0 would refuse every request
+        ray_actor_options={"num_cpus": replica.engine.threads},
+        graceful_shutdown_timeout_s=server.shutdown_timeout,
+        request_router_config=_router(cluster))
+    most = (cluster.max_replicas or cluster.replicas) * capacity + max(1, server.max_queue)
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=1, max_ongoing_requests=most, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replicas.bind(replica), IngressConfig(server.max_body_bytes, server.retry_after_s))
+
+
+def _scaling(cluster: ClusterConfig, max_batch_size: int) -> dict:
+    if not cluster.autoscaling:
+        return {"num_replicas": cluster.replicas}
+    return {"autoscaling_config": {"min_replicas": cluster.min_replicas, "max_replicas": cluster.max_replicas,
+                                   "initial_replicas": max(cluster.min_replicas, min(cluster.replicas,
+                                                                                     cluster.max_replicas)),
+                                   "target_ongoing_requests": cluster.target_ongoing_requests or max_batch_size}}
+
+
+def _router(cluster: ClusterConfig) -> RequestRouterConfig:
+    if cluster.routing == "power-of-two":
+        return RequestRouterConfig()
+    a = cluster.affinity
+    return RequestRouterConfig(request_router_class=PrefixAwareRouter,
+                               request_router_kwargs={"balance_factor": a.balance_factor, "slack": a.slack,
+                                                      "min_match": a.min_match, "max_entries": a.max_entries})
+
+
+class BuildArgs(BaseModel):
+    """build_app's arguments: `engine serve --ray`'s flags, with underscores."""
+    model_config = ConfigDict(extra="forbid")
+
+    engine_dir: Path
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_queue: int = 256
+    scheduling_policy: str = "fcfs"
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = 4 * 2**20
+    replicas: int = 1
+    min_replicas: Optional[int] = None
+    max_replicas: Optional[int] = None
+    target_ongoing_requests: Optional[int] = None
+    routing: str = "prefix"
+    threads: int = 1
+    kv_cache_mem_fraction: float = 0.5
+    max_kv_tokens: Optional[int] = None
+    stream_interval: int = 1
+    speculative_config: Optional[dict] = None
+
+    def configs(self) -> tuple[ReplicaConfig, ClusterConfig]:
+        # Ray's tools call this builder as the CLI calls serve_command, so it reads the same variable: a key in a
+        # RayService's config would be in plain text in the cluster's resources, one from a Secret is not.
+        api_key = self.api_key or os.environ.get("ENGINE_API_KEY")
+        server = ServerConfig(engine_dir=self.engine_dir,
+                              served_model_name=self.served_model_name or self.engine_dir.resolve().name,
+                              api_key=api_key, max_queue=self.max_queue, scheduling_policy=self.scheduling_policy,
+                              shutdown_timeout=self.shutdown_timeout, max_body_bytes=self.max_body_bytes)
+        engine = EngineOptions(kv_cache_mem_fraction=self.kv_cache_mem_fraction, max_kv_tokens=self.max_kv_tokens,
+                               threads=self.threads, stream_interval=self.stream_interval,
+                               speculative_config=SpeculativeConfig.of(self.speculative_config))
+        cluster = ClusterConfig(replicas=self.replicas, min_replicas=self.min_replicas,
+                                max_replicas=self.max_replicas, target_ongoing_requests=self.target_ongoing_requests,
+                                routing=self.routing, affinity=AffinityConfig())
+        return ReplicaConfig(server, engine), cluster
+
+
+def build_app(args: BuildArgs):
+    """The application builder for `serve run` and Serve config files (Ray validates `args` into BuildArgs)."""
+    return build_application(*args.configs())
