@@ -6,9 +6,9 @@
     serve run engine.runtime.replicas.app:build_app engine_dir=/models/eng replicas=2 threads=8
     # or in a Serve config file / a KubeRay RayService:  import_path: engine.runtime.replicas.app:build_app
 
-Each replica reserves `threads` CPUs from Ray and admits at most its server's capacity (max batch size + max queue)
-of requests at once: Ray sends a replica no more than that, holds the rest before the replicas (at most max_queue
-of them, the rest are 429), and with min/max replicas autoscales on ongoing requests. The engine directory must be
+Each replica reserves `threads` CPUs from Ray and runs at most its server's capacity (max batch size + max queue)
+of requests at once: Ray sends a replica no more than that and holds the rest while another replica frees a place;
+the ingress answers 429 beyond the capacity of all replicas (of max_replicas when autoscaling, on ongoing requests). The engine directory must be
 readable at the same path here and on every node that runs a replica (a shared volume, or a copy on each).
 """
 from __future__ import annotations
@@ -41,14 +41,15 @@ def build_application(replica: ReplicaConfig, cluster: ClusterConfig):
     replicas = serve.deployment(LLMReplica, name="LLMReplica").options(
         **_scaling(cluster, build.max_batch_size),
         max_ongoing_requests=capacity,
-        max_queued_requests=max(1, server.max_queue),     # Ray's 0 would refuse every request
         ray_actor_options={"num_cpus": replica.engine.threads},
         graceful_shutdown_timeout_s=server.shutdown_timeout,
         request_router_config=_router(cluster))
-    most = (cluster.max_replicas or cluster.replicas) * capacity + max(1, server.max_queue)
-    ingress = serve.deployment(Ingress, name="Ingress").options(
-        num_replicas=1, max_ongoing_requests=most, ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replicas.bind(replica), IngressConfig(server.max_body_bytes, server.retry_after_s))
+    # Ray's own max_queued_requests is no bound here: it counts every request being routed, so a burst that the
+    # replicas have room for would be refused. The ingress counts requests in flight instead.
+    most = (cluster.max_replicas or cluster.replicas) * capacity
+    ingress = serve.deployment(Ingress, name="Ingress").options(   # room also for /health, /metrics and its 429s
+        num_replicas=1, max_ongoing_requests=max(2 * most, 1000), ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replicas.bind(replica), IngressConfig(server.max_body_bytes, server.retry_after_s, most))
 
 
 def _scaling(cluster: ClusterConfig, max_batch_size: int) -> dict:

@@ -8,7 +8,8 @@ prompt's prefix (prefix_key.py); the replica's response streams back unchanged.
 It answers itself only what no single replica can:
     /metrics        every replica's metrics, each series labelled with its replica (metrics_merge.py)
     /health         200 while at least one replica can serve, else 503
-    429             Ray's queue before the replicas is full too (every replica is at its capacity)
+    429             more requests in flight than the replicas' capacity (max batch size + max queue each): Ray
+                    sends a replica no more than its capacity and holds the rest, up to this bound
     503             the replica died before answering; a stream it was writing ends with an error event and
                     [DONE], so its client fails at once rather than hanging, and other requests go on
 A client that goes away cancels the handle's call, which the replica turns into the app's own disconnect.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+import weakref
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -45,11 +47,13 @@ BROADCAST_TIMEOUT_S = 5.0
 class IngressConfig:
     max_body_bytes: int
     retry_after_s: int
+    max_in_flight: int       # requests forwarded and not yet answered in full: the replicas' capacity, then 429
 
 
 class Ingress:
     def __init__(self, replicas, config: IngressConfig):
         self.replicas, self.config = replicas, config      # replicas: the DeploymentHandle of LLMReplica
+        self.in_flight = 0
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -57,30 +61,61 @@ class Ingress:
             return await self._metrics()
         if request.method == "GET" and path == "/health":
             return await self._health()
+        if self.in_flight >= self.config.max_in_flight:
+            return self._error_response(self._overloaded())
+        self.in_flight += 1
+        release = _once(self._release)
+        try:
+            response = await self._forward(request)
+        except BaseException:
+            release()
+            raise
+        if not isinstance(response, _ReplicaResponse):
+            release()
+            return response
+        response.on_end = release
+        weakref.finalize(response, release)    # a response Ray never sends (its client left first) frees its place
+        return response
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+
+    async def _forward(self, request: Request) -> Response:
+        """The request, forwarded whole to the replica the router picks; its response, or the error that ended it
+        before the response began."""
+        path = request.url.path
         body = await _read_body(request, self.config.max_body_bytes)
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      list(request.headers.raw), body, request.scope.get("client"),
                                      request.scope.get("http_version", "1.1"))
-        stream = self.replicas.options(stream=True).handle_http.remote(forwarded, prefix=prefix_hashes(path, body))
-        try:
+        stream = None
+        try:    # a dead replica shows at the first message
+            stream = self.replicas.options(stream=True).handle_http.remote(forwarded,
+                                                                           prefix=prefix_hashes(path, body))
             start = await stream.__anext__()
         except BaseException as e:  # noqa: BLE001 - cancellation and failures alike end the call on the replica
-            stream.cancel()
+            if stream is not None:
+                _cancel(stream)
             if not isinstance(e, Exception):
                 raise
-            return self._error_response(e)
+            return self._error_response(self._api_error(e))
         assert isinstance(start, ResponseStart), start
         return _ReplicaResponse(start, stream, self._api_error)
 
-    def _error_response(self, e: Exception) -> Response:
-        error = self._api_error(e)
+    @staticmethod
+    def _error_response(error: APIError) -> Response:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def _overloaded(self) -> APIError:
+        return APIError(f"the server is overloaded: every replica is at its capacity ({self.in_flight} requests in "
+                        f"flight, limit {self.config.max_in_flight}); retry later", status=429,
+                        type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(self.config.retry_after_s)})
 
     def _api_error(self, e: Exception) -> APIError:
         retry = {"Retry-After": str(self.config.retry_after_s)}
-        if isinstance(e, serve_errors.BackPressureError):
-            return APIError("every replica is at capacity and the queue before them is full; retry later",
-                            status=429, type="rate_limit_error", code="queue_full", headers=retry)
+        if isinstance(e, serve_errors.BackPressureError):       # a max_queued_requests set in a Serve config
+            return self._overloaded()
         if isinstance(e, _REPLICA_GONE):
             log.warning("a replica failed while serving a request: %s", e)
             return APIError("the replica serving this request stopped; send the request again", status=503,
@@ -96,16 +131,17 @@ class Ingress:
     async def _health(self) -> Response:
         if any(isinstance(r, str) for r in await self._broadcast("ready")):
             return Response(status_code=200)
-        error = APIError("no replica is ready to serve", status=503, type="service_unavailable",
-                         headers={"Retry-After": str(self.config.retry_after_s)})
-        return JSONResponse(error.body(), status_code=503, headers=error.headers)
+        return self._error_response(APIError("no replica is ready to serve", status=503,
+                                             type="service_unavailable",
+                                             headers={"Retry-After": str(self.config.retry_after_s)}))
 
     async def _broadcast(self, method: str) -> list:
-        """`method`'s result from every replica, an exception in place of each that failed; [] on a timeout."""
+        """`method`'s result from every replica, an exception in place of each that failed; [] on a timeout or
+        while Ray knows of no replica yet."""
         try:
             return await self.replicas.broadcast(method).results_async(timeout_s=BROADCAST_TIMEOUT_S,
                                                                       return_exceptions=True)
-        except TimeoutError:
+        except (TimeoutError, serve_errors.RayServeException):
             return []
 
 
@@ -121,6 +157,26 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)[:limit + 1]
 
 
+def _once(fn):
+    done = False
+
+    def call():
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+    return call
+
+
+def _cancel(stream) -> None:
+    """End the call on its replica (a no-op once it finished). Ray's cancel() raises again the error of a call it
+    never assigned to a replica (a full queue), which the caller has answered already."""
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - see above
+        pass
+
+
 class _ReplicaResponse(Response):
     """The replica's response, relayed as it arrives. Not a StreamingResponse: that one also listens for the client's
     disconnect on `receive`, where Ray's proxy raises once a finished request's messages are closed; Ray cancels
@@ -128,6 +184,7 @@ class _ReplicaResponse(Response):
 
     def __init__(self, start: ResponseStart, stream, api_error):
         self.start, self.stream, self.api_error = start, stream, api_error
+        self.on_end = lambda: None
         self.status_code = start.status
         # The response id is the request's X-Request-Id (the client's, or the one Ray's proxy made and passed on) with
         # cmpl-/chatcmpl- before it; Ray's proxy adds its own X-Request-Id header, so the replica's is left out.
@@ -146,5 +203,6 @@ class _ReplicaResponse(Response):
             await send({"type": "http.response.body", "body": (sse_data(error.body()) + "data: [DONE]\n\n").encode(),
                         "more_body": True})
         finally:
-            self.stream.cancel()
+            _cancel(self.stream)
+            self.on_end()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

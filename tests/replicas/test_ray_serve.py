@@ -2,6 +2,7 @@
 Ray's HTTP proxy and the official openai client.
 
     concurrent streams give the greedy text a single server gives, and use both replicas
+    the API key, errors, and 429 once every replica is at its capacity and Ray's queue before them is full
     requests that share a prompt prefix land on one replica, whose metrics count the prefix-cache hits
     a client that goes away frees its request on the replica
     a replica killed (SIGKILL) mid-stream fails only its own streams, at once; the rest finish; Ray restarts it
@@ -36,6 +37,8 @@ MODEL = "tiny"
 # Prompts of a few 64-character chunks (the router's unit) fit: the tiny tokenizer spends ~1.5 characters a token.
 BUILD = dict(max_batch_size=8, max_input_len=192, max_seq_len=256, max_num_tokens=64, tokens_per_block=8)
 KV_TOKENS = 8 * 256
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = 200             # tokens of the streams a test interrupts (~0.2-1 s on the tiny engine)
 SYSTEM = ("You are the help desk of a small hardware store. Answer in one short line and name the aisle. "
           "Never invent a product.")
@@ -53,8 +56,9 @@ def cluster(engine_dir):
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        replica = ReplicaConfig(ServerConfig(engine_dir=engine_dir, served_model_name=MODEL),
-                                EngineOptions(max_kv_tokens=KV_TOKENS, threads=1))
+        # no queue in a replica beyond its batch of 8: 16 streams at once, the rest 429
+        server = ServerConfig(engine_dir=engine_dir, served_model_name=MODEL, api_key=KEY, max_queue=0)
+        replica = ReplicaConfig(server, EngineOptions(max_kv_tokens=KV_TOKENS, threads=1))
         serve.run(build_application(replica, ClusterConfig(replicas=2)), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -73,7 +77,7 @@ def single_server(engine_dir):
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def stream_completion(c: openai.OpenAI, prompt: str, max_tokens: int = 24, **extra) -> tuple[str | None, str]:
@@ -112,6 +116,22 @@ def test_chat_models_health_and_errors_are_the_servers(cluster):
         c.completions.create(model="other", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=cluster + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_beyond_every_replicas_capacity_requests_get_429(cluster):
+    def stream(i: int):
+        with httpx.stream("POST", cluster + "/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": MODEL, "prompt": f"Count {i}:", "max_tokens": LONG,
+                                            "ignore_eos": True, "stream": True}) as r:
+            r.read()
+            return r.status_code, r.headers.get("retry-after"), r.text
+    with ThreadPoolExecutor(28) as pool:
+        results = list(pool.map(stream, range(28)))
+    refused = [(retry, body) for status, retry, body in results if status == 429]
+    assert refused and all(retry == "1" and '"code":"queue_full"' in body for retry, body in refused)
+    assert all(status in (200, 429) for status, _, _ in results)
 
 
 def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(cluster):
@@ -132,7 +152,7 @@ def test_clients_that_go_away_free_their_requests_on_the_replicas(cluster):
     """Streams abandoned after their first event are aborted (not run to their end) and their sequences freed."""
     done_before = sum(replica_metric(cluster, "vllm:request_success_total").values())
     with httpx.Client(timeout=30) as http:
-        responses = [http.send(http.build_request("POST", cluster + "/v1/completions", json={
+        responses = [http.send(http.build_request("POST", cluster + "/v1/completions", headers=AUTH, json={
             "model": MODEL, "prompt": f"Count {i}:", "max_tokens": LONG, "ignore_eos": True, "stream": True}),
             stream=True) for i in range(8)]
         for r in responses:
