@@ -250,7 +250,13 @@ def _resolve_backend(ckpt: CheckpointConfig, build: BuildConfig, plugins: Plugin
     """The build, plugins and TensorRT options for the backend that `build.backend` (perhaps auto) resolves to,
     checked against the model."""
     mode = quant.mode if quant else None
-    build = dataclasses.replace(build, backend=trtb.resolve_backend(build.backend, mode, build.kv_cache_dtype))
+    backend = trtb.resolve_backend(build.backend, mode, build.kv_cache_dtype)
+    if ckpt.model.moe is not None and backend == "tensorrt":
+        if build.backend == "tensorrt":   # auto picks onnxruntime: the MoE graph is not one TensorRT's parser takes
+            raise EngineError(f"--backend tensorrt does not build mixture-of-experts models yet "
+                              f"({ckpt.model.architecture}); use --backend onnxruntime", usage=True)
+        backend = "onnxruntime"
+    build = dataclasses.replace(build, backend=backend)
     check_build_config(ckpt.model, build)
     if build.backend != "tensorrt":
         return build, plugins, trt

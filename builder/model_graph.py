@@ -12,6 +12,8 @@ One decoder layer i (names follow onnxruntime-genai: /model/layers.{i}/attn/qkv_
                     │ normed               └▶ hidden (x + attention)
                     ▼
                gated_mlp(gate_up, down) ─▶ [AllReduce tp>1] ─▶ [mlp_post_norm] ─▶ pending (added by the next norm)
+               (a mixture-of-experts layer, ModelConfig.moe: its routed and shared experts instead of gated_mlp,
+               builder/moe_layers.py)
 
 With the engine's kernels (--engine-kernels-plugin) and no q/k norm, everything from the Split to paged_attention
 is one RotaryPagedAttention node (plugins/attention.rotary_paged_attention), whatever the KV dtype. With the

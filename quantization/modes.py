@@ -81,8 +81,9 @@ def split_dtype(name: str) -> tuple[str, str | None]:
 
 def quantized_in_features(model: ModelConfig, tp: int, quantize_lm_head: bool) -> dict[str, int]:
     """In features of every quantized projection of one rank (row-parallel ones are split by tp)."""
-    ks = {"attention.qkv": model.hidden_size, "attention.dense": model.q_size // tp,
-          "mlp.gate_up": model.hidden_size, "mlp.down": model.intermediate_size // tp}
+    ks = {"attention.qkv": model.hidden_size, "attention.dense": model.q_size // tp}
+    if not all(model.is_moe_layer(i) for i in range(model.num_layers)):   # Mixtral has no dense MLP
+        ks.update({"mlp.gate_up": model.hidden_size, "mlp.down": model.intermediate_size // tp})
     if model.moe is not None:   # each expert's projections (and the shared expert's) quantized as a dense MLP's
         ks.update({"moe.experts.gate_up": model.hidden_size, "moe.experts.down": model.moe.intermediate_size // tp})
         if model.moe.shared_intermediate_size:

@@ -112,7 +112,7 @@ def _qwen2_moe():
     # 8 experts, top-2 NOT renormalized (norm_topk_prob false, the default), a gated shared expert, qkv bias; layer 0
     # dense (decoder_sparse_step 2), layer 1 the mixture of experts
     from transformers import Qwen2MoeConfig
-    return Qwen2MoeConfig(**_common(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+    return Qwen2MoeConfig(**_common(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
                                     num_experts_per_tok=2, decoder_sparse_step=2, rope_theta=1000000.0))
 
 

@@ -13,8 +13,11 @@ from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.core.serde import read_json
 from engine.runtime.step_inputs import SeqChunk
 from tests.builder.engines import ALL_PLUGINS, TEST_BUILD, engine_greedy, hf_greedy, hf_last_logits, prompts
-from tests.tiny_models import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS, is_moe
 from tests.tolerances import assert_logits_close
+
+# mixture-of-experts models have no TensorRT flavour yet (the build refuses them: docs/moe.md)
+DENSE_KEYS = sorted(k for k in TINY_CONFIGS if not is_moe(k))
 
 WHY = tensorrt_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"needs the `tensorrt` package and an NVIDIA GPU: {WHY}")
@@ -27,7 +30,7 @@ def build_trt(ckpt, out, build, tmp_path):
     return build_engine(ckpt, out, dataclasses.replace(build, backend="tensorrt"), ALL_PLUGINS, trt=opts)
 
 
-@pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("key", DENSE_KEYS)
 def test_tiny_parity(tiny, key, tmp_path):
     from engine.core.engine_format import engine_file
     from engine.runtime.trt_session import TrtSession

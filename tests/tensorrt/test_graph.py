@@ -15,8 +15,11 @@ from engine.runtime.engine_dir import load_engine_config
 from engine.runtime.session import EngineSession
 from engine.runtime.step_inputs import make_step_inputs
 from tests.builder.engines import check_parity, engine_greedy, hf_greedy, prompts
-from tests.tiny_models import TINY_CONFIGS
+from tests.tiny_models import TINY_CONFIGS, is_moe
 from tests.tolerances import assert_logits_close
+
+# mixture-of-experts models have no TensorRT flavour yet (the build refuses them: docs/moe.md)
+DENSE_KEYS = sorted(k for k in TINY_CONFIGS if not is_moe(k))
 
 # Ops marked supported ("Y") in onnx-tensorrt docs/operators.md for TensorRT 10.0/10.1 (commit 96e78110), the
 # oldest parser the `tensorrt>=10` extra admits, restricted to what a decoder graph could use. Restrictions that
@@ -30,7 +33,7 @@ TRT10_PARSER_OPS = {
 STEPS = 12
 
 
-@pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("key", DENSE_KEYS)
 def test_only_ops_tensorrt_parses(tiny, key):
     model = onnx.load(str(tiny.trt_flavour(key) / engine_file(0)), load_external_data=False)
     initializers = {i.name for i in model.graph.initializer}
@@ -44,7 +47,7 @@ def test_only_ops_tensorrt_parses(tiny, key):
             assert node.input[1] in initializers, f"{node.name}: axes must be an initializer"
 
 
-@pytest.mark.parametrize("key", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("key", DENSE_KEYS)
 def test_parity_in_place(tiny, key):
     session = EngineSession(tiny.trt_flavour(key), num_blocks=64)
     check_parity(session, tiny.hf_model(key), key, steps=STEPS, seed=2, decode_prompt=2)
