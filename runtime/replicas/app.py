@@ -31,6 +31,9 @@ from .replica import LLMReplica
 from .router import PrefixAwareRouter
 
 APP_NAME = "engine"
+# Ray logs a line per request and deployment hop (three for each request here), which its log monitor then ships
+# to the driver: CPU on every request that `engine serve` does not spend (it runs uvicorn without an access log).
+NO_ACCESS_LOG = {"enable_access_log": False}
 
 
 def build_application(replica: ReplicaConfig, cluster: ClusterConfig):
@@ -43,12 +46,13 @@ def build_application(replica: ReplicaConfig, cluster: ClusterConfig):
         max_ongoing_requests=capacity,
         ray_actor_options={"num_cpus": replica.engine.threads},
         graceful_shutdown_timeout_s=server.shutdown_timeout,
-        request_router_config=_router(cluster))
+        request_router_config=_router(cluster), logging_config=NO_ACCESS_LOG)
     # Ray's own max_queued_requests is no bound here: it counts every request being routed, so a burst that the
     # replicas have room for would be refused. The ingress counts requests in flight instead.
     most = (cluster.max_replicas or cluster.replicas) * capacity
     ingress = serve.deployment(Ingress, name="Ingress").options(   # room also for /health, /metrics and its 429s
-        num_replicas=1, max_ongoing_requests=max(2 * most, 1000), ray_actor_options={"num_cpus": 0})
+        num_replicas=1, max_ongoing_requests=max(2 * most, 1000), ray_actor_options={"num_cpus": 0},
+        logging_config=NO_ACCESS_LOG)
     return ingress.bind(replicas.bind(replica), IngressConfig(server.max_body_bytes, server.retry_after_s, most))
 
 

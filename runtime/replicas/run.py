@@ -14,7 +14,7 @@ import threading
 import ray
 from ray import serve
 
-from .app import APP_NAME, build_application
+from .app import APP_NAME, NO_ACCESS_LOG, build_application
 from .config import ClusterConfig, ReplicaConfig
 
 log = logging.getLogger("engine.replicas")
@@ -29,7 +29,8 @@ def serve_on_ray(replica: ReplicaConfig, cluster: ClusterConfig) -> int:
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:   # ours from here on, in place of ray.init's: a signal while deploying also ends in the clean stop below
         serve.start(http_options={"host": server.host, "port": server.port,
-                                  "keep_alive_timeout_s": server.http.keep_alive_timeout_s})
+                                  "keep_alive_timeout_s": server.http.keep_alive_timeout_s},
+                    logging_config=NO_ACCESS_LOG)
         serve.run(build_application(replica, cluster), name=APP_NAME, route_prefix="/")
         log.info("serving %s on http://%s:%d with %s", server.served_model_name, server.host, server.port,
                  f"{cluster.min_replicas}-{cluster.max_replicas} replicas" if cluster.autoscaling
