@@ -15,7 +15,8 @@ prefix      8 system prompts of ~300 tokens, each user turn short and new, chat 
 Every server is a fresh `engine serve` process (Ray: a Ray cluster of this machine, started and stopped by it), one
 at a time, each warmed with an untimed round; the throughput rounds alternate between the two, a fresh server each,
 so that the host's other load falls on both alike. The prefix part needs an engine whose max-seq-len fits in
---prefix-kv-tokens (the pool must hold one longest request), e.g. built with --max-seq-len 1024. Writes bench/results/ray_replicas.json (ray_replicas_<name>.json).
+--prefix-kv-tokens (the pool must hold one longest request), e.g. built with --max-seq-len 1024. Writes
+bench/results/ray_replicas.json (ray_replicas_<name>.json).
 """
 from __future__ import annotations
 

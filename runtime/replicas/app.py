@@ -8,8 +8,9 @@
 
 Each replica reserves `threads` CPUs from Ray and runs at most its server's capacity (max batch size + max queue)
 of requests at once: Ray sends a replica no more than that and holds the rest while another replica frees a place;
-the ingress answers 429 beyond the capacity of all replicas (of max_replicas when autoscaling, on ongoing requests). The engine directory must be
-readable at the same path here and on every node that runs a replica (a shared volume, or a copy on each).
+the ingress answers 429 beyond the capacity of all replicas (of max_replicas when autoscaling, on ongoing requests).
+The engine directory must be readable at the same path here and on every node that runs a replica (a shared volume,
+or a copy on each).
 """
 from __future__ import annotations
 
