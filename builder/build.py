@@ -26,7 +26,7 @@ from engine.core.artifacts import (CheckpointConfig, atomic_output_dir, copy_tok
 from engine.core.model_config import DTYPES, Mapping, ModelConfig, QuantConfig
 from engine.core.engine_format import BuildConfig, EngineConfig, PluginConfig, engine_file
 from engine.core.errors import EngineError
-from engine.core.parallel import check_tp
+from engine.core.parallel import check_expert_parallel, check_tp
 from engine.plugins import native, quant_matmul
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions, check_gate
@@ -80,6 +80,7 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
         raise EngineError(f"ORT optimization level {b.opt_level!r} is unknown; use one of "
                           f"{', '.join(ortb.OPT_LEVELS)}", usage=True)
     check_tp(model, b.tp_size)
+    check_expert_parallel(model, b.tp_size, b.moe_ep_size)
 
 
 def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig | None = None,
@@ -160,7 +161,7 @@ def _layers_on_block_grid(ckpt_dir: Path, ckpt: CheckpointConfig) -> bool:
 
 
 def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig, tp: int,
-                  backend: str = "onnxruntime", kernels: bool = True) -> QuantConfig:
+                  backend: str = "onnxruntime", kernels: bool = True, ep: int = 1) -> QuantConfig:
     """The requested QuantConfig with its defaults filled in (quantization.modes.resolve; on TensorRT first
     tensorrt_quant.tensorrt_quant). int4_wo and int4_awq at group 32 (asked for, or no group asked for) keep a
     checkpoint's 4-bit blocks when every layer holds them: they are exact, and neither RTN nor AWQ's scale search
@@ -170,7 +171,7 @@ def resolve_quant(requested: QuantConfig, ckpt_dir: Path, ckpt: CheckpointConfig
     if backend == "tensorrt":
         requested = trtq.tensorrt_quant(requested, ckpt.model, tp)
     requested = modes.resolve_lm_head_dtype(requested, ckpt.model, backend=backend, kernels=kernels)
-    quant = modes.resolve(requested, ckpt.model, tp)
+    quant = modes.resolve(requested, ckpt.model, tp, ep)
     if quant.mode not in GRID_MODES or requested.group_size not in (None, GRID_GROUP) or quant.source_grid:
         return quant
     if not _layers_on_block_grid(ckpt_dir, ckpt):
@@ -224,7 +225,7 @@ def build_engine(ckpt_dir: Path, out_dir: Path, build: BuildConfig, plugins: Plu
                           "build from a float checkpoint: convert without quantization and pass --dtype "
                           f"{ckpt.quantization.mode} to `engine build`")
     quant = resolve_quant(quant or QuantConfig(), ckpt_dir, ckpt, build.tp_size, build.backend,
-                          plugins.engine_kernels_plugin)
+                          plugins.engine_kernels_plugin, build.moe_ep_size)
     config = EngineConfig(
         model=ckpt.model, build=build, build_flags=dict(build_flags or {}), plugins=plugins,
         mapping=Mapping(world_size=build.tp_size, tp_size=build.tp_size, pp_size=1),

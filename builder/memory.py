@@ -32,10 +32,10 @@ from engine.quantization.weight_only import BITS, stored_bytes
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def rank_weight_elements(model: ModelConfig, tp: int, max_seq_len: int) -> int:
+def rank_weight_elements(model: ModelConfig, tp: int, max_seq_len: int, ep: int = 1) -> int:
     """The packed tensors of one rank, plus the rotary cos/sin tables (two pairs with a separate local rope)."""
     rope_tables = 2 if model.local_rope is not None and "sliding" in model.layer_types else 1
-    return rank_elements(model, tp) + rope_tables * 2 * max_seq_len * (model.head_dim // 2)
+    return rank_elements(model, tp, ep) + rope_tables * 2 * max_seq_len * (model.head_dim // 2)
 
 
 # logical projections a weight-only mode quantizes (lm_head only with quantize_lm_head or lm_head_dtype int8); a
@@ -55,9 +55,9 @@ def runs_quant_matmul(quant: QuantConfig, plugins: PluginConfig | None, group_si
 
 
 def rank_weight_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None,
-                      plugins: PluginConfig | None = None) -> int:
-    """Bytes of one rank's initializers as stored (see the module docstring)."""
-    return _float_head_bytes(model, tp, max_seq_len, quant, plugins) - _bf16_head_saving(model, tp, quant)
+                      plugins: PluginConfig | None = None, ep: int = 1) -> int:
+    """Bytes of one rank's initializers as stored (see the module docstring); `ep`: --moe-ep-size."""
+    return _float_head_bytes(model, tp, max_seq_len, quant, plugins, ep) - _bf16_head_saving(model, tp, quant)
 
 
 def _bf16_head_saving(model: ModelConfig, tp: int, quant: QuantConfig | None) -> int:
@@ -77,11 +77,11 @@ def _bf16_head_saving(model: ModelConfig, tp: int, quant: QuantConfig | None) ->
 
 
 def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: QuantConfig | None,
-                      plugins: PluginConfig | None) -> int:
+                      plugins: PluginConfig | None, ep: int) -> int:
     """rank_weight_bytes with lm_head (unless quantized) in float32."""
     compute = DTYPE_BYTES["float32"]
     if quant is None or quant.mode is None:
-        return rank_weight_elements(model, tp, max_seq_len) * compute
+        return rank_weight_elements(model, tp, max_seq_len, ep) * compute
     if quant.mode in calibrated_weights.CALIBRATED:
         return _calibrated_bytes(model, tp, max_seq_len, quant, runs_quant_matmul(quant, plugins))
     if quant.mode == modes.GGUF:
@@ -94,7 +94,7 @@ def _float_head_bytes(model: ModelConfig, tp: int, max_seq_len: int, quant: Quan
         shapes["lm_head.weight"] = shapes["vocab_embedding.weight"]
     total = (rank_weight_elements(model, tp, max_seq_len) - rank_elements(model, tp)) * compute  # rotary tables
     for name, shape in shapes.items():
-        rows_cols = rank_shape(name, shape, model, tp)
+        rows_cols = rank_shape(name, shape, model, tp, ep)
         _, stem, kind = split_name(name)
         bits, group = head if head and stem in ("lm_head", "vocab_embedding") else (BITS[quant.mode], quant.group_size)
         packed = runs_quant_matmul(quant, plugins, group)
@@ -190,7 +190,7 @@ def memory_plan(model: ModelConfig, build: BuildConfig, quant: QuantConfig | Non
     gathered_kv = 2 * min(build.max_batch_size, tokens) * build.max_seq_len * kv_size
     logits = min(build.max_batch_size, tokens) * padded_vocab_size(model, tp) // tp
     activation = compute * (tokens * widest + scores + gathered_kv + logits)
-    weights = rank_weight_bytes(model, tp, build.max_seq_len, quant, plugins)
+    weights = rank_weight_bytes(model, tp, build.max_seq_len, quant, plugins, build.moe_ep_size)
     if build.kv_cache_dtype in kv_cache.QUANTIZED:
         weights += model.num_layers * 2 * kv_size * compute  # the K and V scales, per axis of a pool row
     return MemoryPlan(weight_bytes_per_rank=(weights,) * tp, activation_bytes=activation,

@@ -9,7 +9,9 @@ QuantMatMul would: float32 tiles (a float32 build with the engine's kernels on a
 tiles of 16 columns) or a weight-only build's int8 / int4 blocks (QuantMatMul's conditions: plugins/quant_matmul.runs).
 Elsewhere the reference lowering in standard ONNX ops, each expert's MLP composed as a dense one is (float32
 gated_mlp, or MatMulNBits / DequantizeLinear projections). At tp > 1 every rank holds a slice of every expert (their
-intermediate features, as a dense MLP's) and routes each token itself: the router is replicated, so the ranks agree.
+intermediate features, as a dense MLP's) and routes each token itself: the router is replicated, so the ranks agree;
+with --moe-ep-size each rank holds its group's experts only (BuildConfig.moe_ep_size, core/sharding.shard_experts)
+and adds nothing for a token's other experts, which the other groups add.
 Calibrated modes and GGUF blocks are refused for these models (quantization/modes.resolve).
 """
 from __future__ import annotations
@@ -24,8 +26,8 @@ from engine.quantization.weight_only import quantize
 
 
 class MoeLayers:
-    """A mixin of the graph builder (model_graph._Builder): self.g, self.m, self.p, self.tp, self.scheme, self.take,
-    self.mlp are its."""
+    """A mixin of the graph builder (model_graph._Builder): self.g, self.m, self.b, self.p, self.tp, self.rank,
+    self.scheme, self.take, self.mlp are its."""
 
     def moe(self, x: str, w: str, name: str) -> str:
         """Layer `w`'s mixture of experts over x [T, H] -> [T, H] (this rank's part of it at tp > 1)."""
@@ -33,17 +35,20 @@ class MoeLayers:
         t = w + "moe."
         router = self.take(t + "router.weight")
         gate_up, down = self.take(t + "experts.gate_up.weight"), self.take(t + "experts.down.weight")
+        # this rank's experts: all of them, or with --moe-ep-size its group's (core/sharding.shard_experts)
+        first = self.rank % self.b.moe_ep_size * gate_up.shape[0]
         kernel = self._stacked_tiles(gate_up, down, t)
         if kernel is not None:
             (gate_up_tiles, gate_up_attrs), (down_tiles, down_attrs) = kernel
             y = moe_kernel(g, x, router, gate_up_tiles, down_tiles, top_k=moe.top_k, normalize=moe.normalize_top_k,
                            gate_up_attrs=gate_up_attrs, down_attrs=down_attrs, name=f"{name}/experts",
-                           weight_name=t[:-1])
+                           weight_name=t[:-1], first_expert=first)
         else:
             def expert(e: int, rows: str) -> str:
-                return self._expert_mlp(rows, gate_up[e], down[e], f"{name}/experts.{e}", f"{t}experts.{e}")
+                return self._expert_mlp(rows, gate_up[e - first], down[e - first], f"{name}/experts.{e}",
+                                        f"{t}experts.{e}")
             y = moe_reference(g, x, router, moe.top_k, moe.normalize_top_k, expert, name=f"{name}/experts",
-                              weight_name=t[:-1])
+                              weight_name=t[:-1], computed=range(first, first + gate_up.shape[0]))
         del gate_up, down
         if not moe.shared_intermediate_size:
             return y
@@ -60,6 +65,8 @@ class MoeLayers:
         packed as QuantMatMul's weights; None where the build does not run these projections as QuantMatMul."""
         p, s = self.p, self.scheme
         (_, n_up, h), (_, n_down, inter) = gate_up.shape, down.shape
+        if self.m.activation != "silu":   # the kernel's experts are SwiGLU (every MoE family's)
+            return None
         if s is None:
             if not all(quant_matmul.float_runs(n, kernel=p.engine_kernels_plugin) for n in (n_up, n_down)):
                 return None

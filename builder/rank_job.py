@@ -44,7 +44,7 @@ def build_rank(job: RankJob) -> int:
     """Build rank{N}.onnx of `job` into job.out_dir (tp > 1 on onnxruntime: its segment graphs, builder/segments.py);
     returns the rank (runs in a worker process)."""
     ckpt = load_checkpoint_config(job.ckpt_dir)
-    tensors = rank_tensors(job.ckpt_dir, ckpt, job.build.tp_size, job.rank)
+    tensors = rank_tensors(job.ckpt_dir, ckpt, job.build.tp_size, job.rank, job.build.moe_ep_size)
     if job.calibrated is not None:
         # calibrated once on the whole model: this rank takes its slice of the scales with its weights
         tensors = calib.CalibratedTensors(tensors, calib.shard_calibrated(job.calibrated, ckpt.model, job.quant.mode,

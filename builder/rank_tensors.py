@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from engine.core.artifacts import CheckpointConfig, rank_file
 from engine.core.errors import EngineError
 from engine.core.model_config import ModelConfig
-from engine.core.sharding import PACKED, Packer, shard, unpack_and_merge
+from engine.core.sharding import PACKED, Packer, shard_experts, unpack_and_merge
 from engine.core.tensors import rank_elements, split_name
 from engine.quantization.gguf_tensor import METADATA_PREFIX, GGUFTensor, from_metadata
 
@@ -119,10 +119,11 @@ def _check_elements(found: int, model: ModelConfig, tp: int, path: Path) -> None
                           "convert the model again with `engine convert`")
 
 
-def rank_tensors(ckpt_dir: Path, ckpt: CheckpointConfig, tp: int, rank: int) -> MutableMapping:
-    """Packed tensors of `rank` of `tp`: the checkpoint's own rank, or resharded when its tp differs."""
+def rank_tensors(ckpt_dir: Path, ckpt: CheckpointConfig, tp: int, rank: int, ep: int = 1) -> MutableMapping:
+    """Packed tensors of `rank` of `tp`: the checkpoint's own rank, or resharded when its tp differs or the build
+    splits the experts `ep` ways (core/sharding.shard_experts)."""
     model, src_tp = ckpt.model, ckpt.mapping.tp_size
-    if src_tp == tp:
+    if src_tp == tp and ep == 1:
         lazy = _LazyRank(Path(ckpt_dir) / rank_file(rank))
         _check_elements(lazy.num_elements(), model, tp, Path(ckpt_dir) / rank_file(rank))
         return lazy
@@ -143,7 +144,7 @@ def rank_tensors(ckpt_dir: Path, ckpt: CheckpointConfig, tp: int, rank: int) -> 
     packer, out = Packer(), {}
     for name in list(logical):
         tensor = logical.pop(name)
-        for packed, t in packer.add(name, shard(name, tensor, model, tp, rank).contiguous()):
+        for packed, t in packer.add(name, shard_experts(name, tensor, model, tp, ep, rank).contiguous()):
             out[packed] = t.to(torch.float32).numpy()
     packer.finish()
     return out

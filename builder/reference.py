@@ -61,7 +61,7 @@ class ReferenceEngine:
             config = self._config
             b = config.build
             on_ort = b.backend == "onnxruntime"  # a TensorRT build's graph flavour is not for onnxruntime
-            build = dataclasses.replace(b, kv_cache_dtype="float32", tp_size=1, backend="onnxruntime",
+            build = dataclasses.replace(b, kv_cache_dtype="float32", tp_size=1, moe_ep_size=1, backend="onnxruntime",
                                         opt_level=b.opt_level if on_ort else BuildConfig().opt_level,
                                         max_batch_size=max(b.max_batch_size, SAMPLE_BATCH),
                                         max_num_tokens=max(b.max_num_tokens, SAMPLE_BATCH))

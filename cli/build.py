@@ -102,6 +102,11 @@ WEIGHT_ONLY_QUANT_MATMUL_PLUGIN = typer.Option("enable", "--weight-only-quant-ma
 # parallelism, graph optimization, and what the run does
 TP = typer.Option(None, "--tp", help="Tensor-parallel size: engines rank0..rank{tp-1}; a checkpoint of another tp "
                   "is resharded.", show_default="the checkpoint's")
+MOE_TP_SIZE = typer.Option(None, "--moe-tp-size", help="Mixture-of-experts models: ranks each expert is split "
+                           "across; x --moe-ep-size = --tp.", show_default="--tp / --moe-ep-size")
+MOE_EP_SIZE = typer.Option(None, "--moe-ep-size", help="Mixture-of-experts models: groups of ranks the experts are "
+                           "divided among (expert parallelism); x --moe-tp-size = --tp.",
+                           show_default="--tp / --moe-tp-size, else 1")
 WORKERS = typer.Option(1, "--workers", help="Ranks built in parallel (processes).")
 OPT_LEVEL = typer.Option("all", "--opt-level", help="ORT graph optimization applied once at build: disable, basic, "
                          "extended, all.")
@@ -143,6 +148,8 @@ def build_command(
     gemm_swiglu_plugin: str = GEMM_SWIGLU_PLUGIN,
     weight_only_quant_matmul_plugin: str = WEIGHT_ONLY_QUANT_MATMUL_PLUGIN,
     tp: Optional[int] = TP,
+    moe_tp_size: Optional[int] = MOE_TP_SIZE,
+    moe_ep_size: Optional[int] = MOE_EP_SIZE,
     workers: int = WORKERS,
     opt_level: str = OPT_LEVEL,
     dry_run: bool = DRY_RUN,

@@ -70,6 +70,8 @@ class BuildFlags:
     gemm_swiglu_plugin: str
     weight_only_quant_matmul_plugin: str
     tp: Optional[int]
+    moe_tp_size: Optional[int]
+    moe_ep_size: Optional[int]
     workers: int
     opt_level: str
     dry_run: bool
@@ -120,17 +122,34 @@ def resolve_flags(flags: BuildFlags) -> BuildRequest:
     seq = flags.max_seq_len if flags.max_seq_len is not None else ckpt.model.max_position_embeddings
     # any prompt that fits the sequence, as vLLM's max_model_len: chunked prefill bounds each step, not the prompt
     max_input_len = flags.max_input_len if flags.max_input_len is not None else seq
+    tp = flags.tp if flags.tp is not None else ckpt.mapping.tp_size
     build = BuildConfig(
         max_batch_size=flags.max_batch_size, max_input_len=max_input_len, max_seq_len=seq,
         max_num_tokens=flags.max_num_tokens, tokens_per_block=flags.tokens_per_block,
-        kv_cache_dtype=kv_cache_dtype, dtype=compute_dtype, backend=backend,
-        tp_size=flags.tp if flags.tp is not None else ckpt.mapping.tp_size, opt_level=flags.opt_level)
+        kv_cache_dtype=kv_cache_dtype, dtype=compute_dtype, backend=backend, tp_size=tp, opt_level=flags.opt_level,
+        moe_ep_size=_moe_ep_size(flags, tp))
     check_build_config(ckpt.model, build)
     quant = QuantConfig(mode=mode, group_size=flags.group_size, quantize_lm_head=flags.quantize_lm_head,
                         accuracy_level=flags.quant_accuracy_level, lm_head_dtype=flags.lm_head_dtype)
-    modes.resolve(quant, ckpt.model, build.tp_size)   # bad flags fail here, before anything is read
+    modes.resolve(quant, ckpt.model, build.tp_size, build.moe_ep_size)   # bad flags fail here, before any read
     modes.resolve_lm_head_dtype(quant, ckpt.model, backend=backend, kernels=plugins.engine_kernels_plugin)
     return BuildRequest(ckpt, build, plugins, quant, accuracy, calibration, trt)
+
+
+def _moe_ep_size(flags: BuildFlags, tp: int) -> int:
+    """--moe-ep-size, from itself or --moe-tp-size: their product is --tp; neither means every expert on every rank
+    (--moe-tp-size = --tp). check_build_config checks the result against the model."""
+    ep, moe_tp = flags.moe_ep_size, flags.moe_tp_size
+    if ep is None and moe_tp is None:
+        return 1
+    if ep is None:
+        if moe_tp < 1 or tp % moe_tp:
+            raise EngineError(f"--moe-tp-size {moe_tp} must divide --tp {tp} (--moe-tp-size x --moe-ep-size = --tp)",
+                              usage=True)
+        return tp // moe_tp
+    if moe_tp is not None and moe_tp * ep != tp:
+        raise EngineError(f"--moe-tp-size {moe_tp} x --moe-ep-size {ep} must equal --tp {tp}", usage=True)
+    return ep
 
 
 def _switch(flag: str, value: str) -> bool:
@@ -206,7 +225,7 @@ def print_memory_plan(flags: BuildFlags, request: BuildRequest) -> None:
     """--dry-run: the memory plan of the build the flags ask for (as a table, or --json)."""
     ckpt, build, plugins = request.ckpt, request.build, request.plugins
     quant = resolve_quant(request.quant, flags.checkpoint_dir, ckpt, build.tp_size, build.backend,
-                          plugins.engine_kernels_plugin)
+                          plugins.engine_kernels_plugin, build.moe_ep_size)
     rows = plan_rows(memory_plan(ckpt.model, build, quant, plugins), build)
     if flags.as_json:
         print_json("build", {"dry_run": True, "build": build, "memory_plan": dict(rows)})

@@ -136,6 +136,7 @@ class BuildConfig:
     backend: str = "onnxruntime"
     tp_size: int = 1
     opt_level: str = "all"              # ORT graph optimization level applied once at build
+    moe_ep_size: int = 1                # experts split into this many groups of tp / moe_ep_size ranks (docs/moe.md)
 
 
 @dataclass(frozen=True)

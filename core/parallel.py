@@ -35,6 +35,25 @@ def check_tp(model: ModelConfig, tp: int) -> None:
                           f"work for this model: {', '.join(map(str, valid_tp_sizes(model)))}", usage=True)
 
 
+def check_expert_parallel(model: ModelConfig, tp: int, ep: int) -> None:
+    """--moe-ep-size `ep` of a build at `tp`: experts split into ep groups of ranks, each expert tp / ep ways."""
+    if ep < 1 or tp % ep:
+        raise EngineError(f"--moe-ep-size {ep} must divide --tp {tp} (--moe-tp-size x --moe-ep-size = --tp)",
+                          usage=True)
+    if ep == 1:
+        return
+    moe = model.moe
+    if moe is None:
+        raise EngineError(f"--moe-ep-size {ep} splits the experts of a mixture-of-experts model; {model.architecture} "
+                          "has none: leave it out", usage=True)
+    if moe.num_experts % ep:
+        raise EngineError(f"--moe-ep-size {ep} does not divide the {moe.num_experts} experts of this "
+                          f"{model.architecture}", usage=True)
+    if moe.intermediate_size % (tp // ep):
+        raise EngineError(f"--moe-tp-size {tp // ep} does not divide the experts' intermediate_size "
+                          f"{moe.intermediate_size}", usage=True)
+
+
 def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
     return max(model.num_kv_heads // tp, 1)
 

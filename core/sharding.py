@@ -28,7 +28,7 @@ import torch
 from .errors import EngineError
 from .model_config import ModelConfig
 from .parallel import kv_heads_per_rank, padded_vocab_size
-from .tensors import split_kind, split_name
+from .tensors import is_expert, split_kind, split_name
 
 # logical suffix -> (packed suffix, part index, number of parts)
 PACKED = {
@@ -78,6 +78,17 @@ def shard(name: str, tensor: torch.Tensor, model: ModelConfig, tp: int, rank: in
             tensor = torch.cat([tensor, tensor.new_zeros((pad, *tensor.shape[1:]))])
         return tensor.chunk(tp, dim=0)[rank]
     raise AssertionError(kind)
+
+
+def shard_experts(name: str, tensor: torch.Tensor, model: ModelConfig, tp: int, ep: int, rank: int) -> torch.Tensor:
+    """shard() with expert parallelism (an engine built with --moe-ep-size ep): the tp ranks form ep groups of
+    tp / ep; rank r holds experts [(r % ep) E / ep, (r % ep + 1) E / ep) of each stacked expert tensor, cut tp / ep
+    ways as a projection (slice r // ep, TensorRT-LLM's moe_tp_rank). Everything else is shard()'s."""
+    if ep == 1 or not is_expert(name):
+        return shard(name, tensor, model, tp, rank)
+    local = model.moe.num_experts // ep
+    first = rank % ep * local
+    return shard(name, tensor[first:first + local], model, tp // ep, rank // ep)
 
 
 class Packer:

@@ -99,8 +99,17 @@ def moe_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def rank_shape(name: str, shape: tuple[int, ...], model: ModelConfig, tp: int) -> tuple[int, ...]:
-    """The shape of the slice of logical tensor `name` that each of `tp` ranks holds."""
+def is_expert(name: str) -> bool:
+    """Whether `name` is a stacked expert tensor (the ones expert parallelism splits by expert)."""
+    return split_name(name)[1].startswith("moe.experts.")
+
+
+def rank_shape(name: str, shape: tuple[int, ...], model: ModelConfig, tp: int, ep: int = 1) -> tuple[int, ...]:
+    """The shape of the slice of logical tensor `name` that each of `tp` ranks holds; with expert parallelism
+    (`ep` > 1, core/sharding.shard_experts) a stacked expert is split ep ways by expert and tp / ep ways as a
+    projection."""
+    if ep > 1 and is_expert(name):
+        return rank_shape(name, (shape[0] // ep, *shape[1:]), model, tp // ep)
     kind = split_kind(name)
     rest = tuple(shape[1:])
     if kind == "replicated" or tp == 1:
@@ -118,9 +127,9 @@ def rank_shape(name: str, shape: tuple[int, ...], model: ModelConfig, tp: int) -
     raise AssertionError(kind)
 
 
-def rank_elements(model: ModelConfig, tp: int) -> int:
+def rank_elements(model: ModelConfig, tp: int, ep: int = 1) -> int:
     """Weight elements one rank holds (every rank holds the same); a tied lm_head gets shards only when tp > 1."""
     shapes = logical_shapes(model)
     if model.tie_word_embeddings and tp > 1:
         shapes["lm_head.weight"] = shapes["vocab_embedding.weight"]
-    return sum(math.prod(rank_shape(name, shape, model, tp)) for name, shape in shapes.items())
+    return sum(math.prod(rank_shape(name, shape, model, tp, ep)) for name, shape in shapes.items())

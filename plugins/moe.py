@@ -18,13 +18,16 @@ Kernel lowering (`kernel`, the engine's ops): one node, plugins/kernels/moe.cc, 
 
     x ──engine MoE(router [E, H], gate_up [E, tiles...], down [E, tiles...], top_k, normalize)──▶ y
 
+Expert parallelism (a rank holds experts f .. f + L - 1 of E): both route over all E experts and compute only the
+rank's, whose stacks hold L experts; the ranks' outputs add up across the tensor-parallel all-reduce.
+
 its experts' weights stacked QuantMatMul tiles (plugins/quant_matmul.py: float32 tiles, or int8 / int4 blocks).
 Initializers: "{weight_name}.router.weight" [H, E] for MatMul, or [E, H] as the kernel reads it; the kernel's
 "{weight_name}.experts.gate_up.weight" and "{weight_name}.experts.down.weight".
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -43,8 +46,10 @@ def route(g: Graph, op, x: str, router: np.ndarray, top_k: int, normalize: bool,
 
 
 def moe_reference(g: Graph, x: str, router: np.ndarray, top_k: int, normalize: bool,
-                  expert: Callable[[int, str], str], *, name: str, weight_name: str) -> str:
-    """x [T, H] -> [T, H] in standard ONNX ops (module docstring); `expert(e, rows [n, H])` -> [n, H]."""
+                  expert: Callable[[int, str], str], *, name: str, weight_name: str,
+                  computed: Iterable[int] | None = None) -> str:
+    """x [T, H] -> [T, H] in standard ONNX ops (module docstring); `expert(e, rows [n, H])` -> [n, H]. `computed`:
+    the experts this graph computes (default all; expert parallelism: a rank's group), routed over all of them."""
     op = g.scope(name)
     num_experts = router.shape[0]
     weights, experts = route(g, op, x, router, top_k, normalize, weight_name)
@@ -54,7 +59,7 @@ def moe_reference(g: Graph, x: str, router: np.ndarray, top_k: int, normalize: b
                                                        value=_scalar(1.0))], axis=1)
     gate = op("ScatterElements", [zeros, experts, weights], axis=1)
     y = op("ConstantOfShape", [op("Shape", [x])], value=_scalar(0.0))
-    for e in range(num_experts):
+    for e in range(num_experts) if computed is None else computed:
         column = g.const(e)
         rows = op("Transpose", [op("NonZero", [op("Gather", [routed, column], axis=1)])], perm=[1, 0])
         out = expert(e, op("GatherND", [x, rows]))
@@ -64,15 +69,17 @@ def moe_reference(g: Graph, x: str, router: np.ndarray, top_k: int, normalize: b
 
 
 def moe_kernel(g: Graph, x: str, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray, *, top_k: int,
-               normalize: bool, gate_up_attrs: dict, down_attrs: dict, name: str, weight_name: str) -> str:
+               normalize: bool, gate_up_attrs: dict, down_attrs: dict, name: str, weight_name: str,
+               first_expert: int = 0) -> str:
     """x [T, H] -> [T, H] as one engine MoE node over stacked QuantMatMul weights (`*_attrs`: their N, bits,
-    group_size, offsets and gate|up's swiglu, as QuantMatMul's attributes)."""
+    group_size, offsets and gate|up's swiglu, as QuantMatMul's attributes); the stack holds experts first_expert ..
+    first_expert + len(stack) - 1 of the router's (all of them, or a rank's group with expert parallelism)."""
     op = g.scope(name)
     inputs = [x, g.weight(f"{weight_name}.router.weight", np.ascontiguousarray(router, np.float32)),
               g.weight(f"{weight_name}.experts.gate_up.weight", gate_up),
               g.weight(f"{weight_name}.experts.down.weight", down)]
-    return op("MoE", inputs, domain=ENGINE_DOMAIN, top_k=top_k, normalize=int(normalize), **gate_up_attrs,
-              **{f"down_{k}": v for k, v in down_attrs.items()})
+    return op("MoE", inputs, domain=ENGINE_DOMAIN, top_k=top_k, normalize=int(normalize), first_expert=first_expert,
+              **gate_up_attrs, **{f"down_{k}": v for k, v in down_attrs.items()})
 
 
 def _scalar(value: float):

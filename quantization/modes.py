@@ -79,13 +79,15 @@ def split_dtype(name: str) -> tuple[str, str | None]:
                           f"mode: {', '.join(IMPLEMENTED)}", usage=True) from None
 
 
-def quantized_in_features(model: ModelConfig, tp: int, quantize_lm_head: bool) -> dict[str, int]:
-    """In features of every quantized projection of one rank (row-parallel ones are split by tp)."""
+def quantized_in_features(model: ModelConfig, tp: int, quantize_lm_head: bool, ep: int = 1) -> dict[str, int]:
+    """In features of every quantized projection of one rank (row-parallel ones are split by tp; an expert's by
+    tp / ep, --moe-ep-size ep)."""
     ks = {"attention.qkv": model.hidden_size, "attention.dense": model.q_size // tp}
     if not all(model.is_moe_layer(i) for i in range(model.num_layers)):   # Mixtral has no dense MLP
         ks.update({"mlp.gate_up": model.hidden_size, "mlp.down": model.intermediate_size // tp})
     if model.moe is not None:   # each expert's projections (and the shared expert's) quantized as a dense MLP's
-        ks.update({"moe.experts.gate_up": model.hidden_size, "moe.experts.down": model.moe.intermediate_size // tp})
+        ks.update({"moe.experts.gate_up": model.hidden_size,
+                   "moe.experts.down": model.moe.intermediate_size // (tp // ep)})
         if model.moe.shared_intermediate_size:
             ks.update({"moe.shared.gate_up": model.hidden_size,
                        "moe.shared.down": model.moe.shared_intermediate_size // tp})
@@ -94,9 +96,9 @@ def quantized_in_features(model: ModelConfig, tp: int, quantize_lm_head: bool) -
     return ks
 
 
-def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
+def resolve(quant: QuantConfig, model: ModelConfig, tp: int, ep: int = 1) -> QuantConfig:
     """Fill in the defaults of a weight-only QuantConfig (group size, accuracy level) and check them against the
-    model; an unquantized config is returned as is."""
+    model (split tp ways, its experts with --moe-ep-size `ep`); an unquantized config is returned as is."""
     if quant.mode is None:
         return quant
     split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
@@ -111,7 +113,7 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int) -> QuantConfig:
     if level not in ACCURACY_LEVELS:
         raise EngineError(f"--quant-accuracy-level {level} is not one of {', '.join(map(str, ACCURACY_LEVELS))}",
                           usage=True)
-    ks = quantized_in_features(model, tp, quant.quantize_lm_head)
+    ks = quantized_in_features(model, tp, quant.quantize_lm_head, ep)
     group = quant.group_size or DEFAULT_GROUP_SIZE.get(quant.mode)
     if group is None:
         fitting = [s for s in GROUP_SIZES if s <= INT8_WO_MAX_GROUP_SIZE and all(k % s == 0 for k in ks.values())]

@@ -3,9 +3,11 @@
 //
 //   0 x        float [T, H]
 //   1 router   float [E, H]
-//   2 gate_up  uint8 [E, ...QuantMatMul's weights of the expert's gate|up projection, N = 2 I]
-//   3 down     uint8 [E, ...QuantMatMul's weights of the expert's down projection, N = H]
+//   2 gate_up  uint8 [L, ...QuantMatMul's weights of the expert's gate|up projection, N = 2 I]
+//   3 down     uint8 [L, ...QuantMatMul's weights of the expert's down projection, N = H]
 //   out        float [T, H]
+// The stacks hold experts first_expert .. first_expert + L - 1 (attribute, default 0; L = E but with expert
+// parallelism, where the other ranks add the other experts' rows): routing is over all E, the sum over these.
 //
 //   p = softmax(x @ router^T) over the E experts; the top_k largest (the lower expert on a tie), divided by their
 //   sum when normalize=1; out[t] = sum over its experts e, in ascending e, of p_e * down_e(silu(gate_e x) * up_e x)
@@ -38,7 +40,7 @@ constexpr const char* kName = "MoE";
 struct MoeKernel {
   Api api;
   Projection gate_up, down;
-  int64_t top_k = 0;
+  int64_t top_k = 0, first_expert = 0;
   bool normalize = false;
 };
 
@@ -132,10 +134,11 @@ void compute(void* opaque, OrtKernelContext* context) {
   require(x.shape.size() == 2, kName, "x must be [T, H]");
   const int64_t tokens = x.shape[0], hidden = x.shape[1];
   require(router.shape.size() == 2 && router.shape[1] == hidden, kName, "router must be [E, H]");
-  const int64_t experts = router.shape[0];
+  const int64_t experts = router.shape[0], first = kernel.first_expert;
   require(kernel.top_k <= experts, kName, "top_k exceeds the number of experts");
-  require(gate_up.shape.size() == 4 && down.shape.size() == 4 && gate_up.shape[0] == experts &&
-              down.shape[0] == experts, kName, "gate_up and down must be [E, tiles, blocks, bytes]");
+  require(gate_up.shape.size() == 4 && down.shape.size() == 4 && gate_up.shape[0] == down.shape[0] &&
+              first + gate_up.shape[0] <= experts, kName,
+          "gate_up and down must be [L, tiles, blocks, bytes] of experts first_expert .. first_expert + L - 1");
   require(kernel.down.n == hidden, kName, "down_N must be H");
   check_weights(kernel.gate_up, hidden, expert_weights(gate_up, 0), kName);
   check_weights(kernel.down, kernel.gate_up.n / 2, expert_weights(down, 0), kName);
@@ -161,19 +164,19 @@ void compute(void* opaque, OrtKernelContext* context) {
   for (size_t pair = 0; pair < chosen.size(); ++pair) order[next[chosen[pair]]++] = static_cast<int64_t>(pair);
 
   const auto* xs = static_cast<const float*>(x.data);
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t first = starts[e], n = starts[e + 1] - first;
+  for (int64_t e = first; e < first + gate_up.shape[0]; ++e) {
+    const int64_t start = starts[e], n = starts[e + 1] - start;
     if (n == 0) continue;  // an expert no token chose: its weights are not read
     rows.resize(static_cast<size_t>(n * hidden));
     out.resize(rows.size());
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = order[first + r] / kernel.top_k;
+      const int64_t t = order[start + r] / kernel.top_k;
       std::memcpy(rows.data() + r * hidden, xs + t * hidden, static_cast<size_t>(hidden) * sizeof(float));
     }
-    expert_mlp(kernel, context, Tensor{rows.data(), {n, hidden}}, expert_weights(gate_up, e),
-               expert_weights(down, e), out.data());
+    expert_mlp(kernel, context, Tensor{rows.data(), {n, hidden}}, expert_weights(gate_up, e - first),
+               expert_weights(down, e - first), out.data());
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t pair = order[first + r], t = pair / kernel.top_k;
+      const int64_t pair = order[start + r], t = pair / kernel.top_k;
       const float p = weight[pair];
       float* to = y + t * hidden;
       const float* from = out.data() + r * hidden;
@@ -187,6 +190,8 @@ void* create(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
   MoeKernel kernel{api, projection_of(api, info, "", true), projection_of(api, info, "down_", true)};
   api.check(api->KernelInfoGetAttribute_int64(info, "top_k", &kernel.top_k));
   kernel.normalize = api.optional_int(info, "normalize", 0) != 0;
+  kernel.first_expert = api.optional_int(info, "first_expert", 0);
+  require(kernel.first_expert >= 0, kName, "first_expert must not be negative");
   require(kernel.top_k >= 1, kName, "top_k must be at least 1");
   require(kernel.gate_up.n % 2 == 0, kName, "N (gate|up) must be even");
   require(!kernel.down.swiglu, kName, "down has no SwiGLU");

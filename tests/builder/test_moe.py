@@ -17,6 +17,7 @@ from engine.core.artifacts import load_checkpoint_config
 from engine.core.engine_format import engine_file
 from engine.core.errors import EngineError
 from engine.core.model_config import QuantConfig
+from engine.core.parallel import check_expert_parallel
 from engine.plugins import native
 from engine.quantization import modes
 from engine.runtime.engine_dir import load_engine_config
@@ -110,20 +111,34 @@ def test_tensorrt_is_refused_and_auto_builds_for_onnxruntime(tiny, monkeypatch, 
 
 
 @pytest.mark.parametrize("plugins", [True, False], ids=["kernel", "reference"])
-@pytest.mark.parametrize("mode", ["int8_wo", "int4_wo"])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("mode", [None, "int8_wo", "int4_wo"])
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2)])
 @pytest.mark.parametrize("key", KEYS)
-def test_planned_weights_are_the_graph_initializers(tiny, key, tp, mode, plugins):
-    """The memory plan counts each quantized expert as the build stores it (stacked tiles or per-expert blocks)."""
+def test_planned_weights_are_the_graph_initializers(tiny, key, tp, ep, mode, plugins):
+    """The memory plan counts each expert as the build stores it (stacked tiles or per-expert blocks), a rank's
+    group of them with expert parallelism."""
     ckpt_dir = tiny.checkpoint(key)
     ckpt = load_checkpoint_config(ckpt_dir)
-    build = dataclasses.replace(TEST_BUILD, tp_size=tp)
+    build = dataclasses.replace(TEST_BUILD, tp_size=tp, moe_ep_size=ep)
     plugin_config = ALL_PLUGINS if plugins else NO_PLUGINS
-    group = 16 if tp == 2 and mode == "int4_wo" else None   # the experts' down has 16 in features a rank
-    quant = modes.resolve(QuantConfig(mode=mode, group_size=group), ckpt.model, tp)
-    graph = build_graph(ckpt.model, rank_tensors(ckpt_dir, ckpt, tp, tp - 1), build, plugin_config, tp, quant)
+    group = 16 if tp // ep == 2 and mode == "int4_wo" else None   # the experts' down has 16 in features a rank
+    quant = modes.resolve(QuantConfig(mode=mode, group_size=group), ckpt.model, tp, ep)
+    tensors = rank_tensors(ckpt_dir, ckpt, tp, tp - 1, ep)
+    assert tensors["layers.1.moe.experts.down.weight"].shape[0] == ckpt.model.moe.num_experts // ep
+    graph = build_graph(ckpt.model, tensors, build, plugin_config, tp, quant, tp - 1)
     actual = sum(len(t.raw_data) for t in graph.initializers if not t.name.startswith("/model/constants/"))
     assert memory_plan(ckpt.model, build, quant, plugin_config).weight_bytes_per_rank == (actual,) * tp
+
+
+@pytest.mark.parametrize("key,tp,ep,match", [
+    ("LlamaForCausalLM", 2, 2, "--moe-ep-size 2 splits the experts of a mixture-of-experts model"),
+    ("MixtralForCausalLM", 8, 8, "--moe-ep-size 8 does not divide the 4 experts"),
+    ("Qwen3MoeForCausalLM", 4, 3, "--moe-ep-size 3 must divide --tp 4"),
+    ("Qwen3MoeForCausalLM", 128, 2, "--moe-tp-size 64 does not divide the experts' intermediate_size 32"),
+])
+def test_expert_parallel_that_does_not_fit_is_refused(tiny, key, tp, ep, match):
+    with pytest.raises(EngineError, match=match):
+        check_expert_parallel(load_checkpoint_config(tiny.checkpoint(key)).model, tp, ep)
 
 
 def _prefill(session, batch) -> np.ndarray:

@@ -8,7 +8,7 @@ import torch
 
 from engine.plugins import native
 from tests.builder.engines import hf_greedy
-from tests.cli.engine_cli import ENGINE, engine_cmd
+from tests.cli.engine_cli import ENGINE, assert_one_line_error, engine_cmd
 from tests.tiny_models import make_tiny_model
 
 KEY = "Qwen3MoeForCausalLM"
@@ -16,9 +16,9 @@ PROMPT = "The quick brown fox jumps over"
 STEPS = 8
 
 
-def engine(*args: str) -> subprocess.CompletedProcess:
+def engine(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
     r = subprocess.run([*ENGINE, *args], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"rc {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+    assert r.returncode == rc, f"rc {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
     return r
 
 
@@ -51,3 +51,22 @@ def test_build_inspect_and_run(ckpt, dtype, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(ckpt / "hf", dtype=torch.float32, attn_implementation="eager")
     expected, _ = hf_greedy(model.eval(), Tokenizer(out).encode(PROMPT), STEPS)
     assert tokens == expected[:len(tokens)]   # the engine stops at EOS; transformers here does not
+
+
+@pytest.mark.parametrize("flags,ep", [(["--moe-ep-size", "2"], 2), (["--moe-tp-size", "2"], 1),
+                                      (["--moe-tp-size", "1", "--moe-ep-size", "2"], 2), ([], 1)])
+def test_expert_parallel_flags(ckpt, tmp_path, flags, ep):
+    r = engine("build", "--checkpoint-dir", str(ckpt / "ckpt"), "--output-dir", str(tmp_path / "e"), "--tp", "2",
+               *flags, "--dry-run", "--json")
+    assert json.loads(r.stdout)["build"]["moe_ep_size"] == ep
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--moe-ep-size", "3"], "--moe-ep-size 3 must divide --tp 2"),
+    (["--moe-tp-size", "2", "--moe-ep-size", "2"], "--moe-tp-size 2 x --moe-ep-size 2 must equal --tp 2"),
+    (["--moe-tp-size", "3"], "--moe-tp-size 3 must divide --tp 2"),
+])
+def test_expert_parallel_flags_that_do_not_fit_are_one_line_errors(ckpt, tmp_path, flags, needle):
+    r = engine("build", "--checkpoint-dir", str(ckpt / "ckpt"), "--output-dir", str(tmp_path / "e"), "--tp", "2",
+               *flags, "--dry-run", rc=2)
+    assert_one_line_error(r, needle)

@@ -96,6 +96,32 @@ def test_ties_take_the_lower_expert(lowering):
     assert_close(y, moe_ref(x, router, gate_up, down, 1, False), rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.parametrize("lowering", ["reference", "kernel"])
+def test_groups_of_experts_add_up_to_all_of_them(lowering):
+    """Expert parallelism: each rank routes over all experts and computes its group's (first_expert, the stack's
+    length); the groups' outputs sum to the whole."""
+    rng = np.random.default_rng(4)
+    router, gate_up, down = model(rng, 64, 8, 32)
+    x = rng.standard_normal((11, 64)).astype(np.float32)
+
+    def group(g, x, first, count):
+        if lowering == "kernel":
+            tiles = [np.stack([quant_matmul.pack_float(w) for w in ws[first:first + count]]) for ws in (gate_up, down)]
+            return moe_kernel(g, x, router, *tiles, top_k=2, normalize=True, name="/moe", weight_name="moe",
+                              gate_up_attrs=dict(N=64, bits=32, group_size=64, offsets=0, swiglu=1),
+                              down_attrs=dict(N=64, bits=32, group_size=32, offsets=0), first_expert=first)
+
+        def expert(e, rows):
+            return gated_mlp(g, rows, gate_up[e], down[e], "silu", name=f"/moe/experts.{e}", weight_name=f"moe.{e}",
+                             plugin=True)
+        return moe_reference(g, x, router, 2, True, expert, name="/moe", weight_name="moe",
+                             computed=range(first, first + count))
+
+    parts = [run_op(lambda g, x: group(g, x, first, 4), {"x": x}) for first in (0, 4)]
+    assert_close(parts[0] + parts[1], moe_ref(x, router, gate_up, down, 2, True), rtol=1e-4, atol=5e-5)
+    assert not np.allclose(parts[0], 0) and not np.allclose(parts[1], 0)
+
+
 def quantized_reference(g, x, router, gate_up, down, scheme):
     """Each expert a QuantMLP of the engine's QuantMatMul: the kernel's projections node by node."""
     def expert(e, rows):
