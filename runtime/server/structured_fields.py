@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.core.errors import EngineError
 
 from ..structured import StructuredOutputs
+from .api_errors import bad_param
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -49,7 +50,6 @@ class StructuredOutputsBody(_Strict):
 def structured_spec(body) -> tuple[StructuredOutputs | None, str | None]:
     """(the constraint of a parsed request body, the field it came from); APIError naming the field when two
     are given or one is malformed."""
-    from .protocol import bad_param
     given = []
     rf = body.response_format
     if rf is not None and rf.type != "text":

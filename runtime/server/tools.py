@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..structured import StructuredOutputs
+from .api_errors import bad_param
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -61,7 +62,6 @@ class NamedToolChoice(_Strict):
 
 def check_tools(tools: list[ToolDef] | None, choice, parallel: bool | None) -> None:
     """A 400 for a tool_choice that cannot be honoured with these tools."""
-    from .protocol import bad_param
     names = [t.function.name for t in tools or []]
     if len(set(names)) != len(names):
         raise bad_param("tools", f"tool names must be unique; {sorted({n for n in names if names.count(n) > 1})} "
