@@ -114,6 +114,7 @@ class BuildArgs(BaseModel):
         return ReplicaConfig(server, engine), cluster
 
 
-def build_app(args: BuildArgs):
-    """The application builder for `serve run` and Serve config files (Ray validates `args` into BuildArgs)."""
-    return build_application(*args.configs())
+def build_app(args: dict):
+    """The application builder for `serve run` and Serve config files: `args` as Ray gives them (strings from the
+    command line, or a config file's values), checked here as BuildArgs."""
+    return build_application(*BuildArgs.model_validate(args).configs())
