@@ -52,7 +52,9 @@ class LLMReplica:
         self.app.state.server.ready()
 
     async def __del__(self):
-        await self._lifespan.__aexit__(None, None, None)
+        lifespan = getattr(self, "_lifespan", None)      # absent when __init__ failed before the app started
+        if lifespan is not None:
+            await lifespan.__aexit__(None, None, None)
 
 
 def _load_llm(config: ReplicaConfig):
