@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..server.metrics import CONTENT_TYPE
-from ..server.protocol import APIError, internal_error
+from ..server.api_errors import APIError, internal_error
 from ..server.sse import sse_data
 from .asgi_bridge import ForwardedRequest, ResponseStart
 from .metrics_merge import merge_replica_metrics
