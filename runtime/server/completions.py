@@ -324,10 +324,8 @@ class OpenAIServing:
                     if chat:
                         text, calls, used = out.delta_text, [], len(out.delta_text)
                         if idx in tool_streams:   # calls go out whole; text that may begin one is held
-                            ts = tool_streams[idx]
-                            held = len(ts.held)
-                            text, calls = ts.feed(out.delta_text, final=out.finished)
-                            used += held - len(ts.held)    # resume offsets count the model's text released
+                            text, calls = tool_streams[idx].feed(out.delta_text, final=out.finished)
+                            used = tool_streams[idx].released    # resume offsets count the model's text
                         if text or new_lps or calls:
                             lps = {"content": self.chat_logprobs(lp_ids, new_lps), "refusal": None} \
                                 if new_lps else None

@@ -145,10 +145,12 @@ class ToolStream:
     def __init__(self):
         self.held = ""
         self.num_calls = 0
+        self.released = 0    # characters of the model's text the last feed() sent on, as content or calls
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         """(content to send now, calls completed by this delta); `final` flushes what is held."""
         text, self.held = self.held + delta, ""
+        before = len(text)
         out, calls = [], []
         while text:
             start = text.find(OPEN)
@@ -172,6 +174,7 @@ class ToolStream:
                 calls.append({"index": self.num_calls, **call})
                 self.num_calls += 1
             text = text[end + len(CLOSE):]
+        self.released = before - len(self.held)
         content = "".join(out)
         if self.num_calls and not content.strip():
             content = ""
