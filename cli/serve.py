@@ -4,6 +4,8 @@
 
     engine serve --engine-dir ENGINE --ray --replicas 2 [--ray-address auto]   # replicas on Ray Serve (serve_ray.py)
 
+    engine serve --models-dir ENGINES [--models-max 2] [--pin NAME]   # several engines, by `model` (serve_models.py)
+
 Binds 127.0.0.1 unless --host says otherwise. /health answers 200 once the engine is loaded and warmed. SIGTERM
 or Ctrl-C stops admission and lets requests in flight finish for up to --shutdown-timeout seconds; with
 --state-dir it saves them instead and exits at once, and the next server on that directory resumes them. The server
@@ -19,15 +21,14 @@ import typer
 
 from engine.core.errors import EngineError
 
-from . import options, serve_ray
+from . import options, serve_models, serve_ray
 from .distributed import StopOnRankFailure, distributed_from_env, serve_rank_if_worker
 
-ENGINE_DIR = typer.Option(..., "--engine-dir", help="Engine directory made by `engine build` (required).")
 HOST = typer.Option("127.0.0.1", "--host", help="Address to bind (default 127.0.0.1, this machine only; 0.0.0.0 "
                     "exposes the server to the network).")
 PORT = typer.Option(8000, "--port", help="TCP port (default 8000; 0 picks a free one).")
 SERVED_MODEL_NAME = typer.Option(None, "--served-model-name", help="The model name clients send and /v1/models "
-                                 "lists (default: the engine directory's name).")
+                                 "lists, with one engine (default: the engine directory's name).")
 API_KEY = typer.Option(None, "--api-key", envvar="ENGINE_API_KEY", help="Require 'Authorization: Bearer KEY' on "
                        "/v1/*, /tokenize and /detokenize (default: none; or the ENGINE_API_KEY environment "
                        "variable).")
@@ -62,7 +63,11 @@ LOG_LEVEL = typer.Option("info", "--log-level", help="debug, info, warning or er
 
 
 def serve_command(
-    engine_dir: Path = ENGINE_DIR,
+    engine_dir: Optional[list[str]] = serve_models.ENGINE_DIRS,
+    models_dir: Optional[Path] = serve_models.MODELS_DIR,
+    models_max: Optional[int] = serve_models.MODELS_MAX,
+    pin: Optional[list[str]] = serve_models.PIN,
+    unload_idle_seconds: Optional[float] = serve_models.UNLOAD_IDLE,
     host: str = HOST,
     port: int = PORT,
     served_model_name: Optional[str] = SERVED_MODEL_NAME,
@@ -104,7 +109,9 @@ def serve_command(
     _check_flags(port, stream_interval, threads, log_level, api_key)
     speculation = options.speculative_config(speculative, num_speculative_tokens, draft_engine_dir, prompt_lookup_min,
                                              prompt_lookup_max)
-    config = ServerConfig(engine_dir=engine_dir, served_model_name=served_model_name or engine_dir.resolve().name,
+    default, *more = serve_models.model_specs(engine_dir, models_dir, served_model_name)
+    config = ServerConfig(engine_dir=default.engine_dir, served_model_name=default.name, extra_models=tuple(more),
+                          models_max=models_max, pinned=tuple(pin or ()), unload_idle_s=unload_idle_seconds,
                           host=host, port=port, api_key=api_key, max_queue=max_queue,
                           scheduling_policy=scheduling_policy, shutdown_timeout=shutdown_timeout,
                           max_body_bytes=max_body_bytes,
@@ -113,29 +120,33 @@ def serve_command(
                           state_result_ttl=state_result_ttl)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     ray_flags = serve_ray.RayFlags(ray, ray_address, replicas, min_replicas, max_replicas, routing)
+    serve_models.check_one_engine(config.models, ray=ray, speculation=speculation)
     if ray:   # Ray is imported on this path only
         return serve_ray.serve_with_ray(config, ray_flags, kv_cache_mem_fraction=kv_cache_mem_fraction,
                                         max_kv_tokens=max_kv_tokens, threads=threads,
                                         stream_interval=stream_interval, speculation=speculation)
     ray_flags.check_unused()
     distributed = distributed_from_env(tp_timeout)
-    if serve_rank_if_worker(engine_dir, distributed, threads):  # torchrun-style rank > 0: rank 0 serves
+    serve_models.check_one_engine(config.models, distributed=distributed)
+    if serve_rank_if_worker(config.engine_dir, distributed, threads):  # torchrun-style rank > 0: rank 0 serves
         return 0
     rank_failure = StopOnRankFailure()
 
-    def load():
-        llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
-                  threads=threads, scheduling_policy=scheduling_policy, stream_interval=stream_interval,
-                  distributed=distributed, speculative_config=speculation)
-        rank_failure.attach(llm)
-        return llm
+    def loader(engine_dir: Path):
+        def load():
+            llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
+                      threads=threads, scheduling_policy=scheduling_policy, stream_interval=stream_interval,
+                      distributed=distributed, speculative_config=speculation)
+            rank_failure.attach(llm)
+            return llm
+        return load
 
-    app = create_app(config, load=load)
+    app = create_app(config, load={m.name: loader(m.engine_dir) for m in config.models})
     rc = run_server(app, config, log_level=log_level)
     if rank_failure.message is not None:
         raise EngineError(rank_failure.message)
     if rc:
-        raise EngineError(f"the engine in {engine_dir} failed to load: {app.state.server.load_error}")
+        raise EngineError(f"the engine failed to load: {app.state.server.load_error}")
     return rc
 
 

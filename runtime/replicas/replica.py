@@ -68,7 +68,7 @@ def _load_llm(config: ReplicaConfig):
 async def _until_loaded(state) -> None:
     """Wait for the app's background load (app.py _load_engine); a failure fails the replica's start, which Ray
     retries and then reports."""
-    while state.serving is None:
+    while state.starting:
         if state.load_error is not None:
             raise EngineError(f"the replica's engine failed to load: {state.load_error}")
         await asyncio.sleep(0.05)

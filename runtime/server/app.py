@@ -6,7 +6,8 @@ lifespan loads and closes the engine, and run_server serves it on uvicorn.
 
 Lifecycle: the app starts listening at once and loads the engine in a worker thread, then warms it with one
 short generation; until then /health is 503 (and so are the generation endpoints, with Retry-After). /health is
-also 503 when the engine loop died. The engine runs in the LLM's own thread (its async API), never on the
+also 503 when the engine loop died. With several engines (models.py) the start-up models are the pinned ones, else
+the default (first) one; the others load on first use. The engine runs in the LLM's own thread (its async API), never on the
 event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
 stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
 finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits. With
@@ -29,25 +30,22 @@ import logging
 import signal
 import threading
 from contextlib import asynccontextmanager
-from typing import Callable
+from typing import Callable, Mapping
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.errors import EngineError
 
-from ..engine_dir import load_engine_config
-from ..sampling_params import SamplingParams
 from .admission import ServerState
 from .body_limit import BodySizeLimit
-from .completions import OpenAIServing
 from .config import ServerConfig
 from .http_limits import HTTPLimits, limited_protocol
 from .metrics import ServerMetrics
 from .internal_errors import InternalErrors
+from .models import ModelRegistry
 from .protocol import APIError, validation_error
 from .resume import StateKeeper
 from .routes import add_routes
@@ -55,17 +53,21 @@ from .routes import add_routes
 log = logging.getLogger("engine.server")
 
 
-def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
-    """The app; `load` builds the LLM (called in a worker thread at start-up) with config's scheduling_policy.
-    If it fails, /health stays 503 and a server started by run_server exits with status 1."""
-    build = load_engine_config(config.engine_dir).build   # a bad engine dir fails here, before serving
+def create_app(config: ServerConfig, load: Callable[[], object] | Mapping[str, Callable[[], object]]) -> FastAPI:
+    """The app; `load` builds the LLM (called in a worker thread) with config's scheduling_policy: one callable
+    for a server of one engine, else a mapping from each model name (config.models) to its own. If a start-up
+    model fails to load, /health stays 503 and a server started by run_server exits with status 1."""
+    loaders = load if isinstance(load, Mapping) else {config.served_model_name: load}
+    missing = [m.name for m in config.models if m.name not in loaders]
+    if missing:
+        raise EngineError(f"create_app has no `load` for model {missing[0]!r}; give one per model in config.models")
     keeper = None if config.state_dir is None else StateKeeper(
         config.state_dir, config.served_model_name, interval=config.state_checkpoint_interval,
         result_ttl=config.state_result_ttl)
-    metrics = ServerMetrics(config.served_model_name, lambda: state.llm)
-    state = ServerState(config, max_batch_size=build.max_batch_size, max_model_len=build.max_seq_len,
-                        metrics=metrics, keeper=keeper)
-    app = FastAPI(title="engine", lifespan=_lifespan(state, load))
+    metrics = ServerMetrics(lambda: [(m.name, m.llm) for m in registry.models.values()])
+    registry = ModelRegistry(config, loaders, metrics)    # a bad engine dir fails here, before serving
+    state = ServerState(config, registry=registry, metrics=metrics, keeper=keeper)
+    app = FastAPI(title="engine", lifespan=_lifespan(state))
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(InternalErrors)          # last: the outermost, it sees every other layer's exceptions
     app.state.server = state
@@ -74,58 +76,44 @@ def create_app(config: ServerConfig, load: Callable[[], object]) -> FastAPI:
     return app
 
 
-def _lifespan(state: ServerState, load: Callable[[], object]):
-    """Load the engine in the background while the app already answers (503 until ready); on shutdown, drain,
-    stop checkpointing and close the engine."""
+def _lifespan(state: ServerState):
+    """Load the start-up models in the background while the app already answers (503 until ready), unload idle
+    ones meanwhile when asked to; on shutdown, drain, stop checkpointing and close the engines."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(_load_engine(app, state, load))
+        task = asyncio.create_task(_start(app, state))
+        idle = None if state.config.unload_idle_s is None else asyncio.create_task(state.registry.unload_idle())
         yield
         state.draining = True
         await task
+        if idle is not None:
+            idle.cancel()
         if state.keeper is not None:
             state.keeper.stop()
-        if state.llm is not None:
-            await run_in_threadpool(state.llm.close)
+        await state.registry.close()
     return lifespan
 
 
-async def _load_engine(app: FastAPI, state: ServerState, load: Callable[[], object]) -> None:
-    """Load and warm the engine, then open the routes to it (and resume saved responses); a failure is kept for
-    /health and stops a server started by run_server."""
-    config = state.config
-    try:
-        llm = await run_in_threadpool(load)
-        if llm.scheduling_policy != config.scheduling_policy:
-            raise EngineError(f"the server runs --scheduling-policy {config.scheduling_policy} but `load` made "
-                              f"an LLM with scheduling_policy={llm.scheduling_policy!r}; pass the same to both")
-        await run_in_threadpool(_warm, llm)
-    except Exception as e:  # noqa: BLE001 - reported by /health; run_server exits 1
-        state.load_error = str(e)
-        log.error("the engine failed to load: %s", e)
+async def _start(app: FastAPI, state: ServerState) -> None:
+    """Load and warm the start-up models (models.py), then open the routes (and resume saved responses); a
+    failure is kept for /health and stops a server started by run_server."""
+    registry = state.registry
+    for m in registry.startup_models():
+        try:
+            await registry.load(m)
+        except APIError as e:  # a load's failure, answered 503 by /health; run_server exits 1
+            state.load_error = m.load_error or e.message
+            break
+    if state.load_error is not None:
         server = getattr(app.state, "uvicorn_server", None)
         if server is not None:
             server.should_exit = True
         return
-    state.llm = llm
-    state.serving = OpenAIServing(llm, config.served_model_name, state.metrics, keepalive_s=config.keepalive_s,
-                                  engine_alive=llm.is_running)
-    if state.keeper is not None:
+    if state.keeper is not None:      # --state-dir serves one engine (config.py)
         state.serving.resumable, state.serving.on_finished = True, state.keeper.on_finished
-        await state.keeper.start(llm)
-    log.info("engine loaded and warmed; serving %s", config.served_model_name)
-
-
-def _warm(llm) -> None:
-    """Start the engine thread and run one short greedy generation through it (first-call costs paid now)."""
-    llm.start()
-    ids = llm.tokenizer.encode("Hello") or [0]
-    for _ in llm.stream([ids], SamplingParams(temperature=0, max_tokens=2)):
-        pass
-    try:   # the tokenizer's llguidance form, else built by the first constrained request (1 s for Qwen2.5's)
-        llm.grammars.tokenizer()
-    except EngineError as e:   # llguidance is not installed: constrained requests will get a 400 saying so
-        log.warning("%s", e)
+        await state.keeper.start(state.llm)
+    state.starting = False
+    log.info("serving %s", ", ".join(m.name for m in registry.startup_models()))
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -32,7 +32,7 @@ from engine.core.errors import EngineError
 from ..llm import EngineLoopStopped
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .metrics import ServerMetrics
+from .metrics import ModelMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, internal_error
 from .sse import event_id, sse_data
 from .tools import OPEN, ToolStream, parse_tool_calls, with_tools_in_system
@@ -81,7 +81,7 @@ def response_id_for(chat: bool, client_id: str | None) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, llm, model_name: str, metrics: ServerMetrics, *, keepalive_s: float,
+    def __init__(self, llm, model_name: str, metrics: ModelMetrics, *, keepalive_s: float,
                  engine_alive: Callable[[], bool]):
         self.llm, self.model_name, self.metrics = llm, model_name, metrics
         self.keepalive_s, self.engine_alive = keepalive_s, engine_alive

@@ -2,11 +2,12 @@
 
     generation   POST /v1/completions, POST /v1/chat/completions       the work is completions.py's
     resume       GET /v1/requests/{id}/stream, GET /v1/requests/{id}   responses resumed after a restart (resume.py)
-    info         GET /v1/models, GET /health, GET /metrics
+    info         GET /v1/models, GET /health, GET /metrics       /v1/models lists every model, loaded or not
     tokens       POST /tokenize, POST /detokenize
 
 Every route but /health and /metrics asks for the API key when the server has one (Authorization: Bearer KEY).
-A route first checks that the server is ready and admits the request (admission.py); a client that disconnects,
+A route first checks that the server is ready, finds the model its `model` names (models.py, 404 when unknown;
+left out, the first model) and admits the request (admission.py), then loads that model if need be; a client that disconnects,
 streaming or not, cancels its request, and its sequences are aborted and their KV blocks freed. It owns the
 translation between HTTP (headers, status codes, SSE responses) and the serving layer, and knows nothing of the
 app's lifecycle, middleware or error handlers (app.py).
@@ -25,9 +26,10 @@ from starlette.concurrency import run_in_threadpool
 from engine.core.errors import EngineError
 
 from .admission import ServerState
-from .completions import response_id_for
+from .completions import OpenAIServing, response_id_for
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE
+from .models import Route
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .resume import Tracked
 from .sse import parse_event_id
@@ -58,14 +60,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState, auth: list) -> None
 
 async def _generate(state: ServerState, request: Request, body, chat: bool):
     """One completion or chat completion: checked, admitted, then streamed (SSE) or answered whole (JSON)."""
-    serving = state.ready()
-    _check_model(state.config, body.model)
+    state.ready()
+    route = state.registry.resolve(body.model)
     _check_priority(state.config, body.priority)
     client_id = _client_request_id(request)
-    release = state.admit((1 if chat else len(body.prompts)) * body.n,
+    release = state.admit(route.model, (1 if chat else len(body.prompts)) * body.n,
                           response_id_for(chat, client_id) if client_id is not None else None)
     streaming = False
     try:
+        serving = await state.registry.serving(route)     # loads the model's engine on first use (models.py)
         prep = await (serving.prepare_chat(body, client_id) if chat
                       else serving.prepare_completion(body, client_id))
         keeper = state.keeper
@@ -136,14 +139,9 @@ def _add_resume_routes(app: FastAPI, state: ServerState, auth: list) -> None:
 # ---- models, health, metrics -----------------------------------------------------------------------------------
 
 def _add_info_routes(app: FastAPI, state: ServerState, auth: list) -> None:
-    config = state.config
-
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        card = {"id": config.served_model_name, "object": "model", "created": 0, "owned_by": "engine",
-                "root": config.served_model_name, "parent": None,      # not the engine's path on this host
-                "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": state.registry.cards()}
 
     @app.get("/health")
     async def health():
@@ -160,8 +158,7 @@ def _add_info_routes(app: FastAPI, state: ServerState, auth: list) -> None:
 def _add_token_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest):
-        serving = state.ready()
-        _check_model(state.config, body.model)
+        route, serving = await _serving(state, body.model)
         tok = serving.tokenizer
 
         def run():
@@ -173,15 +170,14 @@ def _add_token_routes(app: FastAPI, state: ServerState, auth: list) -> None:
                     raise APIError(str(e), param="messages") from None
             return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         ids = await run_in_threadpool(run)
-        out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": route.model.max_model_len, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
         return out
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest):
-        serving = state.ready()
-        _check_model(state.config, body.model)
+        _, serving = await _serving(state, body.model)
         serving.check_vocab(body.tokens, "tokens")
         return {"prompt": await run_in_threadpool(serving.tokenizer.decode, body.tokens)}
 
@@ -202,10 +198,11 @@ def _authorizer(api_key: str | None) -> Callable[[Request], None]:
     return authorized
 
 
-def _check_model(config: ServerConfig, model: str | None) -> None:
-    if model is not None and model != config.served_model_name:
-        raise APIError(f"The model `{model}` does not exist; this server serves `{config.served_model_name}`.",
-                       status=404, param="model", code="model_not_found")
+async def _serving(state: ServerState, model: str | None) -> tuple[Route, OpenAIServing]:
+    """The route of a request that is not admitted (tokenize, detokenize) and its serving, loaded if need be."""
+    state.ready()
+    route = state.registry.resolve(model)
+    return route, await state.registry.serving(route)
 
 
 def _check_priority(config: ServerConfig, priority: int) -> None:
