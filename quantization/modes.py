@@ -102,6 +102,11 @@ def resolve(quant: QuantConfig, model: ModelConfig, tp: int, ep: int = 1) -> Qua
     if quant.mode is None:
         return quant
     split_dtype(quant.mode)  # raises the "not implemented yet" / "unknown" message
+    if model.moe is not None and quant.mode == GGUF:
+        # the MoE kernel reads QuantMatMul's int8 / int4 blocks, not GGUF's kinds (docs/moe.md, GGUF input)
+        raise EngineError(f"--dtype gguf is not supported for mixture-of-experts models ({model.architecture}): the "
+                          "experts of a GGUF file are dequantized at convert (3-D tensors are not kept as blocks); "
+                          "build with --dtype int4_wo (re-quantized in blocks of 32), int8_wo or float32", usage=True)
     if model.moe is not None and quant.mode not in WEIGHT_ONLY:
         raise EngineError(f"--dtype {quant.mode} is not supported for mixture-of-experts models yet "
                           f"({model.architecture}); use {' or '.join(WEIGHT_ONLY)}, or float32", usage=True)

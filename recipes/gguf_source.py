@@ -130,29 +130,42 @@ class GGUFSource:
 
     # ---- tensors -------------------------------------------------------------------------------------------
 
-    def _map_names(self) -> dict[str, str]:
+    def _map_names(self) -> dict[str, tuple[str, ...]]:
+        """HF name -> its GGUF tensors: one, or the parts merged into it (an MoE's gate and up experts), in the
+        table's order."""
         table = [(re.compile("^" + re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"), hf)
                  for g, hf in TENSOR_NAMES[self.architecture].items()]
-        hf_names: dict[str, str] = {}
+        parts: dict[str, list[tuple[int, str]]] = {}
         for name in self._tensors:
-            for pattern, hf in table:
+            for order, (pattern, hf) in enumerate(table):
                 m = pattern.match(name)
                 if m:
-                    hf_names[hf.replace("{i}", m.group(1)) if m.groups() else hf] = name
+                    parts.setdefault(hf.replace("{i}", m.group(1)) if m.groups() else hf, []).append((order, name))
                     break
             else:
                 raise EngineError(f"tensor {name!r} of {self.path} is not part of a {self.architecture} model as this "
                                   "engine knows it; the file has modules the converter does not support")
-        return hf_names
+        return {hf: tuple(name for _, name in sorted(found)) for hf, found in parts.items()}
 
     def names(self) -> list[str]:
         return list(self._hf_names)
 
     def get(self, name: str) -> torch.Tensor | GGUFTensor:
-        """The tensor dequantized to float32, or with keep_quantized a kept kind's blocks as they are (GGUFTensor)."""
+        """The tensor dequantized to float32, or with keep_quantized a kept kind's blocks as they are (GGUFTensor).
+        Merged parts (an MoE's gate and up experts, [experts, inter, hidden] each) are concatenated on axis 1, as
+        transformers' gate_up_proj holds them."""
+        parts = [self._read(self._tensors[gguf_name]) for gguf_name in self._hf_names[name]]
+        if len(parts) == 1:
+            return parts[0]
+        if not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in parts):
+            raise EngineError(f"{self.path}: the parts {', '.join(self._hf_names[name])} of {name} are not all 3-D "
+                              "expert tensors; the file is not an MoE model as llama.cpp writes it")
+        return torch.cat(parts, dim=1)
+
+    def _read(self, tensor: "_Tensor") -> torch.Tensor | GGUFTensor:
+        """One GGUF tensor as get() gives it."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
-        tensor = self._tensors[self._hf_names[name]]
         # GGUFReader's layout for a tensor: its bytes as rows of the last dimension; dequantize reads F32/F16 as
         # views of them and unpacks quantized blocks row by row.
         # read, not memory-mapped: a map keeps every page read in the process's RSS until it is closed (a 1.1 GB

@@ -14,6 +14,9 @@ GGUF_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",  # llama.cpp writes the text model only (the vision tower is an mmproj file)
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    # Mixtral is written as llama with llama.expert_count (gguf_config_dict makes it mixtral)
 }
 
 # GGUF tensor name -> HF tensor name; "{i}" stands for the layer index (llama.cpp's gguf-py tensor_mapping.py).
@@ -31,8 +34,23 @@ _LLAMA_TENSORS = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+# Mixture-of-experts layers (llama.cpp's Qwen2MoeModel, Qwen3MoeModel and Mixtral as LlamaModel): the experts merged
+# into 3-D tensors [experts, out, in]; gate and up both map to transformers' stacked gate_up_proj, which the source
+# makes by concatenating them in this order (as transformers' Qwen2MoeTensorProcessor does).
+_MOE_TENSORS = {
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",   # the router (llama.cpp keeps it float)
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.down_proj",
+}
+# Qwen2-MoE's shared expert and its gate (a 1-D [hidden] in the file; the processor makes it [1, hidden])
+_SHARED_EXPERT_TENSORS = {
+    **{f"blk.{{i}}.ffn_{x}_shexp.weight": f"model.layers.{{i}}.mlp.shared_expert.{x}_proj.weight"
+       for x in ("gate", "up", "down")},
+    "blk.{i}.ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
 TENSOR_NAMES = {
-    "llama": _LLAMA_TENSORS,
+    "llama": {**_LLAMA_TENSORS, **_MOE_TENSORS},
     # Qwen2 / Qwen2.5: bias on q, k, v
     "qwen2": {**_LLAMA_TENSORS, **{f"blk.{{i}}.attn_{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias"
                                    for x in "qkv"}},
@@ -55,6 +73,8 @@ TENSOR_NAMES.update(
           "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
           "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"},
 )
+TENSOR_NAMES.update(qwen2moe={**TENSOR_NAMES["qwen2"], **_MOE_TENSORS, **_SHARED_EXPERT_TENSORS},
+                    qwen3moe={**TENSOR_NAMES["qwen3"], **_MOE_TENSORS})
 
 # GGUF key -> the config key that must equal it, where transformers' GGUF config reads no key: Gemma's q scale
 # (llama.cpp's key_length ** -0.5, (hidden / heads) ** -0.5 for the 27B models; transformers' query_pre_attn_scalar
@@ -64,20 +84,49 @@ UNREAD = {"gemma2": {**_GEMMA_SCALE, "attn_logit_softcapping": "attn_logit_softc
            "phi3": {"rope.dimension_count": "head_dim"}}
 
 
+# load_gguf_checkpoint's own renames of a GGUF architecture to a model_type
+_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Keys the MoE configs need that transformers' GGUF config tables do not read (llama.cpp's convert_hf_to_gguf.py writes
+# them): without them transformers takes the class defaults (Qwen2MoeConfig's 1408 and 5632 expert widths), which fit
+# only the models they came from. Mixtral has no table of its own in transformers: llama's, and the expert counts.
+_MOE_KEYS = {
+    "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+                  "expert_weights_norm": "norm_topk_prob"},
+    "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size", "expert_weights_norm": "norm_topk_prob"},
+    "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+}
+
+
+def model_type_of(metadata: dict) -> str:
+    """The model_type a file's architecture becomes: transformers' renames (llama named exactly "mistral" is mistral),
+    and llama with experts is Mixtral (llama.cpp writes Mixtral as llama; transformers loads it as a dense llama and
+    drops the experts)."""
+    architecture = metadata["general.architecture"]
+    if architecture == "llama" and metadata.get("llama.expert_count"):
+        return "mixtral"
+    if "llama" in architecture and metadata.get("general.name") == "mistral":
+        return "mistral"
+    return _RENAMED.get(architecture, architecture)
+
+
 def gguf_config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """transformers' load_gguf_checkpoint(path, return_tensors=False)["config"] for a GGUF_ARCHITECTURES file, from
     its metadata (as read_gguf_metadata returns it) and tensor names.
 
     The same steps with the same tables: tied embeddings when there is no output.weight, the architecture's defaults,
     then every key the config table names, renamed (a one-element array counts as its element), and the vocabulary
-    size from the token list when no key states it. llama written for a model named exactly "mistral" is mistral,
-    and gemma3 is gemma3_text, as there. The other branches of load_gguf_checkpoint (t5, stablelm, gemma4, lfm2,
-    gpt-oss, ...) are for architectures this source refuses.
+    size from the token list when no key states it. The model type as model_type_of says, gemma3 as gemma3_text,
+    as there; the MoE keys of _MOE_KEYS beside transformers' tables. The other branches of load_gguf_checkpoint
+    (t5, stablelm, gemma4, lfm2, gpt-oss, ...) are for architectures this source refuses.
     """
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     architecture = metadata["general.architecture"]
-    updated = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
+    updated = model_type_of(metadata)
+    tables = {**GGUF_CONFIG_MAPPING,
+              updated: {**GGUF_CONFIG_MAPPING.get(updated, GGUF_CONFIG_MAPPING.get(architecture, {})),
+                        **_MOE_KEYS.get(updated, {})}}
     config: dict = {"tie_word_embeddings": "output.weight" not in tensor_names}
     defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
     for key, value in defaults.items():
@@ -88,7 +137,7 @@ def gguf_config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
             value = value[0]
         if isinstance(value, str):
             value = value.replace(architecture, updated)
-        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        renamed = tables.get(prefix, {}).get(config_key)
         if renamed is not None and renamed != -1:
             config[renamed] = value
     if config.get("model_type") == "gemma3":   # a GGUF holds Gemma 3's text model only

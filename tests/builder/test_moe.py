@@ -92,11 +92,17 @@ def test_quantized_experts_within_the_dense_tolerance(tiny, key, mode, plugins):
         assert counts.get("engine.MoE", 0) >= 1
 
 
-@pytest.mark.parametrize("mode", ["int8_sq", "fp8", "int4_awq", "gguf"])
+@pytest.mark.parametrize("mode", ["int8_sq", "fp8", "int4_awq"])
 def test_other_quantized_modes_are_refused(tiny, mode):
     model = load_engine_config(tiny.engine("MixtralForCausalLM")).model
     with pytest.raises(EngineError, match=f"--dtype {mode} is not supported for mixture-of-experts models yet"):
         modes.resolve(QuantConfig(mode=mode), model, 1)
+
+
+def test_gguf_blocks_are_refused_with_what_to_build(tiny):
+    model = load_engine_config(tiny.engine("MixtralForCausalLM")).model
+    with pytest.raises(EngineError, match="--dtype gguf is not supported.*dequantized at convert.*--dtype int4_wo"):
+        modes.resolve(QuantConfig(mode="gguf"), model, 1)
 
 
 def test_tensorrt_is_refused_and_auto_builds_for_onnxruntime(tiny, monkeypatch, tmp_path):
