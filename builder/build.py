@@ -43,6 +43,7 @@ from . import onnxruntime_backend as ortb
 from . import tensorrt_backend as trtb
 from . import tensorrt_collectives as trtc
 from . import tensorrt_quant as trtq
+from .lora_layers import check_lora_build
 from .memory import memory_plan, runs_quant_matmul
 from .rank_job import RankJob, build_rank
 from .rank_tensors import rank_tensors
@@ -81,6 +82,7 @@ def check_build_config(model: ModelConfig, b: BuildConfig) -> None:
                           f"{', '.join(ortb.OPT_LEVELS)}", usage=True)
     check_tp(model, b.tp_size)
     check_expert_parallel(model, b.tp_size, b.moe_ep_size)
+    check_lora_build(model, b)
 
 
 def precision_of(ckpt: CheckpointConfig, build: BuildConfig, quant: QuantConfig | None = None,

@@ -76,13 +76,14 @@ from engine.quantization.kv_cache import QUANTIZED as KV_QUANTIZED, layer_scales
 from engine.quantization.modes import GGUF, INT8_HEAD_GROUP
 from engine.quantization.weight_only import BITS, WeightOnlyScheme
 
+from .lora_layers import LoraLayers
 from .moe_layers import MoeLayers
 from .vocab_tables import VocabTables
 
 Tensors = MutableMapping[str, np.ndarray]
 
 
-class _Builder(VocabTables, MoeLayers):
+class _Builder(VocabTables, MoeLayers, LoraLayers):
     def __init__(self, model: ModelConfig, tensors: Tensors, build: BuildConfig, plugins: PluginConfig,
                  tp: int, quant: QuantConfig, rank: int = 0):
         self.m, self.t, self.b, self.p, self.tp, self.q, self.rank = model, tensors, build, plugins, tp, quant, rank
@@ -125,8 +126,14 @@ class _Builder(VocabTables, MoeLayers):
 
     def proj(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None, *,
              row_parallel: bool = False) -> str:
-        """A projection of the layers: float32 MatMul, or quantized with the build's scheme. A row-parallel one
-        (attention.dense, mlp.down) takes a slice of each token at tp > 1."""
+        """A projection of the layers: float32 MatMul, or quantized with the build's scheme, plus its LoRA node
+        where the engine adapts it (lora_layers.py). A row-parallel one (attention.dense, mlp.down) takes a slice
+        of each token at tp > 1."""
+        return self.with_lora(self.projection(x, weight_name, name, bias, row_parallel=row_parallel), x,
+                              weight_name, name)
+
+    def projection(self, x: str, weight_name: str, name: str, bias: np.ndarray | None = None, *,
+                   row_parallel: bool = False) -> str:
         if self.is_calibrated(weight_name):
             w = self.t.pop_calibrated(weight_name, self.q.mode, self.q.group_size)
             amax = self.all_reduce_max if row_parallel and self.tp > 1 else None
@@ -158,13 +165,14 @@ class _Builder(VocabTables, MoeLayers):
         t = f"{w}{stem}."   # the tensors' prefix: "layers.0.mlp." or "layers.0.moe.shared."
         inter = inter or m.intermediate_size // self.tp
         calibrated = self.is_calibrated(t + "gate_up.weight")
-        if self.scheme is None and not calibrated and not self.gguf:
+        adapted = self.lora_group(t + "gate_up.weight") or self.lora_group(t + "down.weight")
+        if self.scheme is None and not calibrated and not self.gguf and not adapted:
             return gated_mlp(g, x, self.take(t + "gate_up.weight"), self.take(t + "down.weight"),
                              m.activation, name=name, weight_name=t[:-1], plugin=p.gemm_swiglu_plugin,
                              kernel=p.engine_kernels_plugin)
         op = g.scope(name)
         plugin, kernel = p.weight_only_quant_matmul_plugin, p.engine_kernels_plugin
-        if p.gemm_swiglu_plugin or self.gguf:
+        if p.gemm_swiglu_plugin or self.gguf or adapted:   # a LoRA node adapts the fused gate|up projection
             fused = self.proj(x, t + "gate_up.weight", f"{name}/gate_up_proj")
             hidden = gate_times_up(g, op, fused, inter, m.activation, kernel=kernel)
             down = self.proj(hidden, t + "down.weight", f"{name}/down_proj", row_parallel=True)
@@ -223,6 +231,7 @@ class _Builder(VocabTables, MoeLayers):
             g.input(ec.ATTN_MASK_SLIDING, TensorProto.BOOL, ["B", 1, "Qmax", "Lmax"])
         g.input(ec.OUT_INDEX, i64, ["T"])
         g.input(ec.LOGITS_INDICES, i64, ["S"])
+        self.lora_inputs()
         kv = self.kv_heads * self.m.head_dim
         for i in range(self.m.num_layers):
             g.input(ec.kcache_name(i), self.kv_type, ["num_slots", kv])

@@ -107,6 +107,10 @@ MOE_TP_SIZE = typer.Option(None, "--moe-tp-size", help="Mixture-of-experts model
 MOE_EP_SIZE = typer.Option(None, "--moe-ep-size", help="Mixture-of-experts models: groups of ranks the experts are "
                            "divided among (expert parallelism); x --moe-tp-size = --tp.",
                            show_default="--tp / --moe-tp-size, else 1")
+LORA_TARGET_MODULES = typer.Option(None, "--lora-target-modules", help="Projections that take LoRA adapters at run "
+                                   "time (engine serve --lora-modules, engine run --lora): 'all', or PEFT module "
+                                   "names, comma-separated (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj).",
+                                   show_default="none: no LoRA")
 WORKERS = typer.Option(1, "--workers", help="Ranks built in parallel (processes).")
 OPT_LEVEL = typer.Option("all", "--opt-level", help="ORT graph optimization applied once at build: disable, basic, "
                          "extended, all.")
@@ -150,6 +154,7 @@ def build_command(
     tp: Optional[int] = TP,
     moe_tp_size: Optional[int] = MOE_TP_SIZE,
     moe_ep_size: Optional[int] = MOE_EP_SIZE,
+    lora_target_modules: Optional[str] = LORA_TARGET_MODULES,
     workers: int = WORKERS,
     opt_level: str = OPT_LEVEL,
     dry_run: bool = DRY_RUN,

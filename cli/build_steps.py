@@ -24,6 +24,7 @@ from engine.builder.tensorrt_backend import TensorRTOptions, check_options, pars
 from engine.core.artifacts import CheckpointConfig, load_checkpoint_config
 from engine.core.engine_format import BuildConfig, EngineConfig, PluginConfig
 from engine.core.errors import EngineError
+from engine.core.lora import resolve_target_modules
 from engine.core.model_config import QuantConfig
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions
@@ -72,6 +73,7 @@ class BuildFlags:
     tp: Optional[int]
     moe_tp_size: Optional[int]
     moe_ep_size: Optional[int]
+    lora_target_modules: Optional[str]
     workers: int
     opt_level: str
     dry_run: bool
@@ -127,13 +129,18 @@ def resolve_flags(flags: BuildFlags) -> BuildRequest:
         max_batch_size=flags.max_batch_size, max_input_len=max_input_len, max_seq_len=seq,
         max_num_tokens=flags.max_num_tokens, tokens_per_block=flags.tokens_per_block,
         kv_cache_dtype=kv_cache_dtype, dtype=compute_dtype, backend=backend, tp_size=tp, opt_level=flags.opt_level,
-        moe_ep_size=_moe_ep_size(flags, tp))
+        moe_ep_size=_moe_ep_size(flags, tp), lora_target_modules=_lora_target_modules(flags))
     check_build_config(ckpt.model, build)
     quant = QuantConfig(mode=mode, group_size=flags.group_size, quantize_lm_head=flags.quantize_lm_head,
                         accuracy_level=flags.quant_accuracy_level, lm_head_dtype=flags.lm_head_dtype)
     modes.resolve(quant, ckpt.model, build.tp_size, build.moe_ep_size)   # bad flags fail here, before any read
     modes.resolve_lm_head_dtype(quant, ckpt.model, backend=backend, kernels=plugins.engine_kernels_plugin)
     return BuildRequest(ckpt, build, plugins, quant, accuracy, calibration, trt)
+
+
+def _lora_target_modules(flags: BuildFlags) -> tuple[str, ...]:
+    names = (flags.lora_target_modules or "").replace(",", " ").split()
+    return resolve_target_modules(names) if names else ()
 
 
 def _moe_ep_size(flags: BuildFlags, tp: int) -> int:

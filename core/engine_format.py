@@ -137,6 +137,8 @@ class BuildConfig:
     tp_size: int = 1
     opt_level: str = "all"              # ORT graph optimization level applied once at build
     moe_ep_size: int = 1                # experts split into this many groups of tp / moe_ep_size ranks (docs/moe.md)
+    # projections that take LoRA adapters at run time (PEFT module names, core/lora.py); () builds none
+    lora_target_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}      # chained hashes of each request's full blocks so far
+        self._salts: dict[str, bytes] = {}             # where each request's chain starts (find_prefix's salt)
 
     @property
     def num_blocks(self) -> int:
@@ -148,13 +149,14 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+    def find_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> PrefixHit:
         """The longest run of leading full blocks of `token_ids` in the cache, leaving at least the last token
-        to compute (its logits are what the step is for)."""
+        to compute (its logits are what the step is for). `salt` starts the hash chain: the K/V of a LoRA
+        adapter's tokens differ from the base model's (Sequence.cache_salt)."""
         if not self.enable_prefix_caching:
             return PrefixHit()
         tpb = self.tokens_per_block
-        ids, hashes, parent = [], [], b""
+        ids, hashes, parent = [], [], salt
         for i in range((len(token_ids) - 1) // tpb):
             h = block_hash(parent, token_ids[i * tpb:(i + 1) * tpb])
             b = self.pool.lookup(h)
@@ -174,10 +176,11 @@ class BlockManager:
         return max(self.blocks_for(num_tokens) - held - len(prefix.block_ids), 0) + revived
 
     def allocate_slots(self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None,
-                       prefix: PrefixHit | None = None) -> NewBlocks | None:
+                       prefix: PrefixHit | None = None, salt: bytes = b"") -> NewBlocks | None:
         """Make the request's blocks cover positions [0, num_tokens); None (and nothing taken) when the pool
         has too few free blocks. `prefix` (from find_prefix, first allocation only) starts the table with the
-        shared blocks. With `token_ids`, every block the allocation fills is entered in the prefix cache."""
+        shared blocks. With `token_ids`, every block the allocation fills is entered in the prefix cache, its hash
+        chain started from `salt` (the first allocation's)."""
         prefix = prefix or PrefixHit()
         table = self._tables.get(request_id)
         assert not (table and prefix.block_ids), f"a prefix hit for {request_id}, which already holds blocks"
@@ -187,6 +190,7 @@ class BlockManager:
         if table is None:
             table = self._tables[request_id] = []
             self._hashes[request_id] = []
+            self._salts[request_id] = salt
         self.pool.incref(prefix.block_ids)
         table.extend(prefix.block_ids)
         self._hashes[request_id].extend(prefix.block_hashes)
@@ -199,7 +203,7 @@ class BlockManager:
     def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         tpb, table, hashes = self.tokens_per_block, self._tables[request_id], self._hashes[request_id]
         for i in range(len(hashes), num_tokens // tpb):
-            h = block_hash(hashes[-1] if hashes else b"", token_ids[i * tpb:(i + 1) * tpb])
+            h = block_hash(hashes[-1] if hashes else self._salts[request_id], token_ids[i * tpb:(i + 1) * tpb])
             self.pool.cache(table[i], h)
             hashes.append(h)
 
@@ -222,9 +226,11 @@ class BlockManager:
         self.pool.incref(table)
         self._tables[child_id] = table
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))
+        self._salts[child_id] = self._salts.get(parent_id, b"")
 
     def free(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
+        self._salts.pop(request_id, None)
         self.pool.decref(self._tables.pop(request_id, []))
 
     def check_all_free(self) -> None:

@@ -26,6 +26,7 @@ from engine.core.errors import EngineError
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
+from .lora.manager import LoraManager
 from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .sampler import SamplingRow, sample
 from .sampling_params import Logprob
@@ -65,8 +66,9 @@ class EngineCore:
     def __init__(self, session, tokenizer: Tokenizer, eos_token_ids: Seq[int], *, scheduler: SchedulerConfig,
                  tokens_per_block: int, vocab_size: int, enable_prefix_caching: bool = True,
                  stream_interval: int = 1, speculator: Speculator | None = None,
-                 grammars: GrammarBackend | None = None):
+                 grammars: GrammarBackend | None = None, loras: LoraManager | None = None):
         self.session = session
+        self.loras = loras
         self.grammars = grammars
         self.speculator = speculator
         self.stream_interval = stream_interval
@@ -141,9 +143,11 @@ class EngineCore:
             seq.draft_token_ids = []
         if not sched.chunks:
             return []
+        lora_ids = [c.seq.lora_id for c in sched.chunks]
+        slots = self.loras.slots_for(lora_ids) if any(lora_ids) else lora_ids   # the scheduler kept them <= max_loras
         chunks = [SeqChunk(token_ids=c.token_ids, start_pos=c.start_pos,
                            block_table=list(self.blocks.block_table(c.seq.request_id)),
-                           num_logits=c.num_logits) for c in sched.chunks]
+                           num_logits=c.num_logits, lora_slot=slot) for c, slot in zip(sched.chunks, slots)]
         scored = [c for c in sched.chunks if c.want_logits]
         constrained = [i for i, c in enumerate(scored) if c.seq.matcher is not None]
         masks = self.grammars.start_masks([MaskRequest(scored[i].seq.matcher, scored[i].draft_token_ids)

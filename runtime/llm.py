@@ -34,6 +34,7 @@ from .engine_core import EngineCore, check_stream_interval
 from .engine_dir import load_engine_config
 from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
 from .loop_sink import LoopSink, dispatch
+from .lora import LoraConfig, LoraManager
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 from .request_limits import check_request
@@ -69,7 +70,9 @@ class LLM:
     (and by default) the engine's build limits. `stream_interval` N: a request reports its first token, then every
     N-th and its finish, each output's delta holding the tokens since the last (engine_core.py; default 1).
     `speculative_config` (vLLM's: a dict or SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens":
-    4}): decoding proposes k tokens a step and keeps what the engine confirms (speculative/). `max_sequences`: the
+    4}): decoding proposes k tokens a step and keeps what the engine confirms (speculative/). `lora_config` (a
+    dict or lora.LoraConfig: max_loras, max_lora_rank, max_cpu_loras, modules) serves LoRA adapters on an engine
+    built with --lora-target-modules; `self.loras` adds and removes them, requests name one (lora=). `max_sequences`: the
     most sequences this LLM will run at once when fewer than max_batch_size (`engine run` knows its prompts); the
     pool is then no larger than they can use."""
 
@@ -80,7 +83,7 @@ class LLM:
                  max_prefill_chunk_with_decodes: int | None = DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES,
                  max_num_tokens: int | None = None, max_batch_size: int | None = None, stream_interval: int = 1,
                  distributed=None, speculative_config: SpeculativeConfig | dict | None = None,
-                 max_sequences: int | None = None):
+                 max_sequences: int | None = None, lora_config: LoraConfig | dict | None = None):
         from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
         self.engine_dir = Path(engine_dir)
         self.config = load_engine_config(self.engine_dir)
@@ -95,10 +98,15 @@ class LLM:
         if speculative is not None and b.backend == "tensorrt":
             raise EngineError(f"speculative decoding runs on onnxruntime engines; {self.engine_dir} is a TensorRT "
                               "engine (its optimization profiles bound the logits rows a step returns)", usage=True)
+        lora = LoraConfig.of(lora_config)
+        if lora is not None and not b.lora_target_modules:
+            raise EngineError(f"{self.engine_dir} was built without LoRA support; rebuild it with `engine build "
+                              "--lora-target-modules all` to serve adapters", usage=True)
         scheduler = SchedulerConfig(max_batch_size=max_batch_size or b.max_batch_size,
                                     max_num_tokens=max_num_tokens or b.max_num_tokens,
                                     policy=scheduling_policy,
-                                    max_prefill_chunk_with_decodes=max_prefill_chunk_with_decodes)
+                                    max_prefill_chunk_with_decodes=max_prefill_chunk_with_decodes,
+                                    max_loras=lora.max_loras if lora else 0)
         # tokenizer.json (~0.15 s to parse) loads on another thread while the session loads the graph, which
         # releases the GIL: a cold start pays for the longer of the two, not both
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-tokenizer")
@@ -120,6 +128,10 @@ class LLM:
         else:
             self.session = EngineSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads)
         self.tokenizer = tokenizer.result()
+        # the adapters by name (runtime/lora/), on an engine built with LoRA inputs (their slots bound to them)
+        self.loras = LoraManager(self.config, lora) if b.lora_target_modules else None
+        if self.loras is not None:
+            self.session.bind_lora(self.loras.slots.inputs())
         eos = self.config.generation.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -129,7 +141,7 @@ class LLM:
                                tokens_per_block=b.tokens_per_block, vocab_size=self.config.model.vocab_size,
                                enable_prefix_caching=enable_prefix_caching, stream_interval=stream_interval,
                                speculator=make_speculator(speculative, self.config, self.tokenizer, threads),
-                               grammars=self.grammars)
+                               grammars=self.grammars, loras=self.loras)
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
@@ -154,7 +166,7 @@ class LLM:
         return self.core.engine_stats()
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-                      priority: int = 0) -> tuple[Sequence, str | None]:
+                      priority: int = 0, lora: str | None = None) -> tuple[Sequence, str | None]:
         """Tokenize and check one request; raises EngineError for prompts the engine cannot take."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
@@ -165,7 +177,16 @@ class LLM:
                        priority=int(priority))
         if params.structured_outputs is not None:
             seq.matcher = self.grammars.matcher(params.structured_outputs)
+        if lora is not None:
+            seq.lora_name, seq.lora_id = lora, self._lora_manager().resolve(lora)
         return seq, text
+
+    def _lora_manager(self) -> LoraManager:
+        if self.loras is None or self.loras.options is None:
+            raise EngineError("a request named a LoRA adapter, but this LLM has none: make it with lora_config "
+                              "(engine run --lora, engine serve --lora-modules) on an engine built with "
+                              "--lora-target-modules", usage=True)
+        return self.loras
 
     def chat_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation under the engine's chat template."""
@@ -174,36 +195,34 @@ class LLM:
     # ---- sync API ----------------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 *, priority: int | Seq[int] = 0) -> list[RequestOutput]:
+                 *, priority: int | Seq[int] = 0, lora: str | None | Seq[str | None] = None) -> list[RequestOutput]:
         """Final outputs, in prompt order. All prompts run together (continuous batching); `priority`: one for
         all prompts or one each (priority policy only)."""
         final: dict[str, RequestOutput] = {}
         order = []
-        for out in self.stream(prompts, params, request_ids=order, priority=priority):
+        for out in self.stream(prompts, params, request_ids=order, priority=priority, lora=lora):
             if out.finished:
                 final[out.request_id] = out
         return [final[rid] for rid in order]
 
     def chat(self, conversations: list[dict] | Seq[list[dict]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             lora: str | None | Seq[str | None] = None) -> list[RequestOutput]:
         """generate() over conversations (lists of {"role", "content"}) rendered with the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.chat_prompt(c) for c in conversations], params)
+        return self.generate([self.chat_prompt(c) for c in conversations], params, lora=lora)
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-               *, request_ids: list | None = None, priority: int | Seq[int] = 0) -> Iterator[RequestOutput]:
+               *, request_ids: list | None = None, priority: int | Seq[int] = 0,
+               lora: str | None | Seq[str | None] = None) -> Iterator[RequestOutput]:
         """Every output of every prompt as it is produced (each carries its delta_text); all prompts run
         together. Every prompt is checked before any runs. `request_ids`, when given, receives the request
-        ids in prompt order."""
+        ids in prompt order. `lora`: the LoRA adapter (by name, self.loras) of all prompts or of each."""
         prompts = _as_prompt_list(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise EngineError(f"{len(plist)} sampling params for {len(prompts)} prompts; give one, or one each")
-        prios = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
-        if len(prios) != len(prompts):
-            raise EngineError(f"{len(prios)} priorities for {len(prompts)} prompts; give one, or one each")
-        seqs = [self.make_sequence(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
+        each = [_per_prompt(v, len(prompts), what) for v, what in ((params, "sampling params"),
+                                                                   (priority, "priorities"), (lora, "LoRA names"))]
+        seqs = [self.make_sequence(p, sp, priority=pr, lora=lo) for p, sp, pr, lo in zip(prompts, *each)]
         if request_ids is not None:
             request_ids.extend(s.request_id for s, _ in seqs)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -238,10 +257,11 @@ class LLM:
     # ---- async API (background engine thread) ------------------------------------------------------------
 
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                             request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                             request_id: str | None = None, priority: int = 0,
+                             lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced; leaving the iteration early aborts the request and
         frees its blocks (a client that disconnects)."""
-        seq, text = self.make_sequence(prompt, params, request_id=request_id, priority=priority)
+        seq, text = self.make_sequence(prompt, params, request_id=request_id, priority=priority, lora=lora)
         async for out in self._run_async(seq, text):
             yield out
 
@@ -249,7 +269,7 @@ class LLM:
         """generate_async for a sequence captured by snapshot() (maybe in another process): its prompt and
         generated tokens are recomputed and it continues as it would have; outputs carry the whole text."""
         seq, _ = self.make_sequence(state.prompt_token_ids, state.params, request_id=state.request_id,
-                                    priority=state.priority)
+                                    priority=state.priority, lora=state.lora_name)
         state.restore_into(seq)
         async for out in self._run_async(seq, None):
             yield out
@@ -410,3 +430,11 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]       # one prompt given as token ids
     return prompts
+
+
+def _per_prompt(value, n: int, what: str) -> list:
+    """One value for all n prompts, or one each."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise EngineError(f"{len(values)} {what} for {n} prompts; give one, or one each")
+    return values

@@ -59,6 +59,7 @@ class SchedulerConfig:
     max_num_tokens: int     # tokens per step (the engine's build limit)
     policy: str = "fcfs"    # "fcfs" | "priority"
     max_prefill_chunk_with_decodes: int | None = None   # cap on a prefill chunk in a step with decodes
+    max_loras: int = 0      # LoRA adapters the running sequences may use together (the session's slots)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -160,7 +161,8 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 if self._grow(seq, n, served, out):
                     budget -= n
-            elif seq.status is Status.WAITING and admitting and len(out.preempted) == preempted_here:
+            elif seq.status is Status.WAITING and admitting and len(out.preempted) == preempted_here \
+                    and self._adapter_fits(seq):
                 taken = self._admit(seq, budget, cap, out)
                 admitting = taken > 0
                 budget -= taken
@@ -188,13 +190,20 @@ class Scheduler:
         out.chunks.append(self._take(seq, 1, tuple(seq.draft_token_ids)))
         return True
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s LoRA adapter can be resident beside the running ones (max_loras slots); one that
+        cannot waits while later requests are admitted, as vLLM does."""
+        running = {s.lora_id for s in self.running if s.lora_id}
+        return not seq.lora_id or seq.lora_id in running or len(running) < self.config.max_loras
+
     def _admit(self, seq: Sequence, budget: int, cap: int | None, out: SchedulerOutput) -> int:
         """Start (or resume) waiting `seq` with its first chunk; the tokens it takes, 0 when it does not fit."""
         if len(self.running) >= self.config.max_batch_size:
             return 0
-        hit = self.blocks.find_prefix(seq.token_ids)
+        hit = self.blocks.find_prefix(seq.token_ids, seq.cache_salt)
         n = min(seq.num_tokens - hit.num_tokens, budget, cap or budget)
-        if self.blocks.allocate_slots(seq.request_id, hit.num_tokens + n, seq.token_ids, hit) is None:
+        if self.blocks.allocate_slots(seq.request_id, hit.num_tokens + n, seq.token_ids, hit,
+                                      seq.cache_salt) is None:
             return 0
         self.stats.prefix_cache_queries += seq.num_tokens
         self.stats.prefix_cache_hits += hit.num_tokens
@@ -215,7 +224,8 @@ class Scheduler:
             if tokens >= self.config.max_num_tokens:
                 return
             while True:
-                hit = self.blocks.find_prefix(seq.token_ids)   # a victim's freed blocks may hold the prefix
+                # a victim's freed blocks may hold the prefix
+                hit = self.blocks.find_prefix(seq.token_ids, seq.cache_salt)
                 first = min(seq.num_tokens - hit.num_tokens, self.config.max_num_tokens)
                 need = self.blocks.num_blocks_needed(hit.num_tokens + first, hit)
                 if slots >= 1 and need + reserved <= self.blocks.num_free_blocks:

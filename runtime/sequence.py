@@ -52,6 +52,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # the llguidance matcher of a structured output (runtime/structured/), at the tokens committed so far
     matcher: object = None
+    lora_name: str | None = None          # the LoRA adapter it runs with (runtime/lora/), None: the base model
+    lora_id: int = 0                      # that adapter's registration (a re-added name gets a new id), 0: none
 
     def __post_init__(self):
         if not self.token_ids:
@@ -59,6 +61,11 @@ class Sequence:
         if self.generator is None:
             # Unseeded requests draw from OS entropy; a seed makes the request reproducible whatever its batch.
             self.generator = np.random.default_rng(self.params.seed)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Where its prefix-cache hash chain starts: blocks computed with an adapter hold other K/V."""
+        return f"lora:{self.lora_id}".encode() if self.lora_id else b""
 
     @property
     def num_tokens(self) -> int:

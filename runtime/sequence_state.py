@@ -45,24 +45,25 @@ class SequenceState:
     priority: int
     params: SamplingParams
     rng_state: dict[str, Any]          # numpy bit_generator.state (JSON-safe: str and int values)
+    lora_name: str | None = None       # its LoRA adapter, resolved by name again where it resumes
 
     @classmethod
     def capture(cls, seq: Sequence) -> "SequenceState":
         """A copy of `seq` now; call it between engine steps (the engine thread owns the sequence)."""
         return cls(request_id=seq.request_id, prompt_token_ids=list(seq.prompt_token_ids),
                    output_token_ids=list(seq.output_token_ids), max_tokens=seq.max_tokens, priority=seq.priority,
-                   params=seq.params, rng_state=seq.generator.bit_generator.state)
+                   params=seq.params, rng_state=seq.generator.bit_generator.state, lora_name=seq.lora_name)
 
     @classmethod
     def at_start(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int) -> "SequenceState":
+                 priority: int, lora_name: str | None = None) -> "SequenceState":
         """A request before its first step, which a restart runs again from its prompt: its params must carry a
         seed, the only way to know the generator it will start from."""
         if params.seed is None:
             raise EngineError(f"request {request_id}: only a seeded request's start can be recorded")
         return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids), output_token_ids=[],
                    max_tokens=params.max_tokens, priority=priority, params=params,
-                   rng_state=np.random.default_rng(params.seed).bit_generator.state)
+                   rng_state=np.random.default_rng(params.seed).bit_generator.state, lora_name=lora_name)
 
     def restore_into(self, seq: Sequence) -> None:
         """Give a new Sequence (same prompt and params) this state's generated tokens and generator state."""
@@ -85,7 +86,7 @@ class SequenceState:
             params[name] = list(params[name])
         return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
                 "output_token_ids": self.output_token_ids, "max_tokens": self.max_tokens,
-                "priority": self.priority, "params": params, "rng_state": self.rng_state}
+                "priority": self.priority, "params": params, "rng_state": self.rng_state, "lora_name": self.lora_name}
 
     @classmethod
     def from_json(cls, d: dict) -> "SequenceState":
@@ -97,7 +98,8 @@ class SequenceState:
         params = SamplingParams(**d["params"])     # validated again, as any new request is
         return cls(request_id=str(d["request_id"]), prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
                    output_token_ids=[int(t) for t in d["output_token_ids"]], max_tokens=int(d["max_tokens"]),
-                   priority=int(d["priority"]), params=params, rng_state=_rng_state(d["rng_state"]))
+                   priority=int(d["priority"]), params=params, rng_state=_rng_state(d["rng_state"]),
+                   lora_name=d.get("lora_name"))
 
 
 def _rng_state(state: dict) -> dict:

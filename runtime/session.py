@@ -25,11 +25,13 @@ import onnxruntime as ort
 from engine.core.engine_format import (LOGITS, LOGITS_INDICES, EngineConfig, engine_file, kcache_name,
                                        kcache_out_name, vcache_name, vcache_out_name)
 from engine.core.errors import EngineError
+from engine.core.lora import LORA_INDEX
 from engine.core.parallel import kv_heads_per_rank, padded_vocab_size
 from engine.plugins import native
 
 from .engine_dir import load_runnable_engine, verifying_files
-from .step_inputs import SeqChunk, check_step, make_step_inputs
+from .lora.slots import LoraSlots
+from .step_inputs import SeqChunk, check_step, lora_index, make_step_inputs
 
 
 class EngineSession:
@@ -58,6 +60,16 @@ class EngineSession:
         for name_in, (name_out, value) in self._pool_values.items():
             self._binding.bind_ortvalue_input(name_in, value)
             self._binding.bind_ortvalue_output(name_out, value)
+        self._lora = LORA_INDEX in self._input_names
+        if self._lora:   # one zero slot until an LLM binds its adapters' slots (every token on the base model)
+            self.bind_lora(LoraSlots(model, build.lora_target_modules, 1, 1).inputs())
+
+    def bind_lora(self, arrays: dict[str, np.ndarray]) -> None:
+        """Bind the LoRA inputs of an engine built with them to `arrays` (runtime/lora/slots.py), which stay
+        shared: a slot written in place is what the next run reads."""
+        self._lora_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
+        for name, value in self._lora_values.items():
+            self._binding.bind_ortvalue_input(name, value)
 
     def run(self, chunks: list[SeqChunk], *, copy: bool = True) -> np.ndarray:
         """Logits [sum of the chunks' num_logits, vocab_size] float32, in chunk order; copy=False: a view of
@@ -67,6 +79,8 @@ class EngineSession:
         for name, array in inputs.items():
             if name in self._input_names:
                 self._binding.bind_cpu_input(name, array)
+        if self._lora:
+            self._binding.bind_cpu_input(LORA_INDEX, lora_index(chunks))
         rows = len(inputs[LOGITS_INDICES])
         if rows > len(self._logits):   # speculation verifies several tokens a sequence: more rows than sequences
             self._logits = np.empty((rows, self._logits.shape[1]), dtype=np.float32)

@@ -39,6 +39,7 @@ class SeqChunk:
     block_table: Sequence[int]   # block ids covering positions [0, start_pos + len(token_ids))
     num_logits: int              # logits of its last num_logits new tokens wanted (0: none; 1 + k verifying k
                                  # speculated tokens, runtime/speculative/); a bool reads as 0 or 1
+    lora_slot: int = 0           # the session's LoRA slot its tokens use (runtime/lora/), 0: the base model
 
 
 # Cost of a row beyond its query entries, in units of one padded query: the K/V gather of its context (each row
@@ -83,6 +84,11 @@ def make_step_inputs(chunks: list[SeqChunk], tokens_per_block: int, sliding_wind
     if total == num_seqs:
         return _decode_inputs(chunks, start, ctx_len, tables, tokens_per_block, sliding_window)
     return _packed_inputs(chunks, q_len, start, tables, tokens_per_block, sliding_window, max_rows)
+
+
+def lora_index(chunks: list[SeqChunk]) -> np.ndarray:
+    """The lora_index input of an engine built with LoRA: each packed token's slot."""
+    return np.repeat(np.array([c.lora_slot for c in chunks], dtype=np.int64), [len(c.token_ids) for c in chunks])
 
 
 def _block_table(b: int, chunk: SeqChunk, ctx_len: int, tokens_per_block: int) -> np.ndarray:

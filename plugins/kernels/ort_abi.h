@@ -217,5 +217,6 @@ std::vector<OrtCustomOp*> quant_matmul_ops();
 std::vector<OrtCustomOp*> bf16_matmul_ops();
 std::vector<OrtCustomOp*> add_rms_norm_ops();
 std::vector<OrtCustomOp*> moe_ops();
+std::vector<OrtCustomOp*> lora_ops();
 
 }  // namespace engine_kernels

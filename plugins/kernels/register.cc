@@ -34,6 +34,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   for (OrtCustomOp* op : k::bf16_matmul_ops()) ops.push_back(op);
   for (OrtCustomOp* op : k::add_rms_norm_ops()) ops.push_back(op);
   for (OrtCustomOp* op : k::moe_ops()) ops.push_back(op);
+  for (OrtCustomOp* op : k::lora_ops()) ops.push_back(op);
   for (OrtCustomOp* op : ops)
     if (OrtStatus* st = api->CustomOpDomain_Add(domain, op)) return st;
   return api->AddCustomOpDomain(options, domain);

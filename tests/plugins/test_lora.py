@@ -1,0 +1,73 @@
+"""plugins.lora: the engine's LoraAdd kernel and the standard-ONNX reference against NumPy, for a step of tokens that
+use different adapters (and none), each row block adding to its own columns; a token's floats do not depend on the
+tokens beside it."""
+import numpy as np
+import pytest
+
+from engine.plugins import native
+from engine.plugins.lora import lora_add, lora_add_numpy
+
+from .runner import assert_close, library_without, run_op
+
+K, N, SLOTS, RANK = 40, 56, 4, 3
+COLUMNS = [0, 24, 24, 40, 40, 56]    # three row blocks: q | k | v of a qkv projection
+
+
+def adapters(rng, slots=SLOTS, rank=RANK, columns=COLUMNS):
+    blocks = len(columns) // 2
+    a = rng.standard_normal((slots, blocks * rank, K)).astype(np.float32)
+    b = np.zeros((slots, blocks * rank, N), dtype=np.float32)
+    for m in range(blocks):   # each block's rows only over its own columns, as the runtime stores them
+        c0, c1 = columns[2 * m: 2 * m + 2]
+        b[:, m * rank:(m + 1) * rank, c0:c1] = rng.standard_normal((slots, rank, c1 - c0))
+    a[0] = b[0] = 0           # slot 0: no adapter
+    a[2, RANK - 1] = b[2, RANK - 1] = 0   # a zero-padded rank row of a lower-rank adapter
+    return a, b
+
+
+def feeds(rng, tokens):
+    a, b = adapters(rng)
+    return {"y": rng.standard_normal((tokens, N)).astype(np.float32),
+            "x": rng.standard_normal((tokens, K)).astype(np.float32),
+            "index": rng.integers(0, SLOTS, tokens).astype(np.int64), "a": a, "b": b}
+
+
+def run(f, kernel, **kw):
+    return run_op(lambda g, y, x, i, a, b: lora_add(g, y, x, i, a, b, columns=COLUMNS, name="/lora", kernel=kernel),
+                  f, **kw)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_reference_matches_numpy(tokens):
+    f = feeds(np.random.default_rng(tokens), tokens)
+    assert_close(run(f, kernel=False), lora_add_numpy(*f.values(), COLUMNS), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,pool", [(1, None), (5, None), (37, 2), (130, 2)])
+def test_kernel_matches_numpy(tokens, pool):
+    f = feeds(np.random.default_rng(tokens), tokens)
+    out = run(f, kernel=True, pool=pool)
+    assert_close(out, lora_add_numpy(*f.values(), COLUMNS), rtol=1e-4, atol=1e-4)
+    no_adapter = f["index"] == 0
+    np.testing.assert_array_equal(out[no_adapter], f["y"][no_adapter])   # slot 0 tokens are copied exactly
+
+
+def test_kernel_token_alone_equals_token_in_batch():
+    f = feeds(np.random.default_rng(7), 23)
+    batched = run(f, kernel=True, pool=2)
+    for t in (0, 11, 22):
+        alone = run({k: (v[t:t + 1] if k in ("y", "x", "index") else v) for k, v in f.items()}, kernel=True)
+        np.testing.assert_array_equal(alone[0], batched[t])
+
+
+def test_kernel_without_avx2(monkeypatch, tmp_path):
+    library_without(monkeypatch, tmp_path, "-mno-avx2", "-mno-fma", "-mno-avx512f")
+    f = feeds(np.random.default_rng(3), 9)
+    assert_close(run(f, kernel=True), lora_add_numpy(*f.values(), COLUMNS), rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_refuses_an_index_out_of_range():
+    f = feeds(np.random.default_rng(1), 4)
+    f["index"][2] = SLOTS
+    with pytest.raises(Exception, match="index out of"):
+        run(f, kernel=True)
