@@ -5,7 +5,8 @@
 
     app.py         create_app (middleware, error handlers, routes), the lifespan that loads the engine, run_server
     routes.py      the endpoints, one registration function per group (generation, resume, info, tokens)
-    admission.py   ServerState: readiness (503) and the bounded count of sequences in flight (429)
+    admission.py   ServerState: readiness (503) and each model's bounded count of sequences in flight (429)
+    models.py      ModelRegistry: the served engines by name, routing `model`, loading on use, LRU/idle unloads
     completions.py OpenAIServing: a parsed request -> engine sequences -> JSON response or SSE chunks
     protocol.py    the request bodies (pydantic) and APIError, OpenAI's error shape
     sse.py         the `data:` event format and the resume event ids of a stream

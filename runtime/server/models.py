@@ -6,7 +6,8 @@ and unloading the least recently used idle one beyond models_max, or one idle fo
     registry.cards()                          /v1/models: every model, loaded or not, and the adapters' entries
 
 A model's life:  unloaded -> loading -> loaded -> unloading -> unloaded. Loading (LLM + warm-up) runs in a worker
-thread, so requests to loaded models go on meanwhile; requests to the model being loaded wait for it. A model
+thread, so requests to loaded models go on meanwhile (but for the parts of a load that hold Python's GIL, such
+as parsing tokenizer.json); requests to the model being loaded wait for it. A model
 with requests in flight (ServedModel.in_flight, counted by admission.py) or pinned is never unloaded; when
 models_max engines are loaded and none of them may go, the request that needs another gets 503 with Retry-After.
 
@@ -147,10 +148,15 @@ class ModelRegistry:
                     if m.serving is None and m.loading is None and m.unloading is None:
                         await self._make_room(m)
                         m.loading = asyncio.create_task(self._load(m))
+                        # its waiters may all have gone (clients that disconnected): the failure is logged already
+                        m.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def load(self, m: ServedModel) -> None:
-        """Load `m` now (start-up); raises its load error."""
+        """Load `m` now and warm it (start-up, before /health says 200); raises its load error. A load on first use
+        only starts the engine: its waiting request pays the first-call costs, and the grammars' tokenizer is built
+        by the first constrained request (building it holds the GIL for a second or two, stalling every stream)."""
         await self.serving(Route(m))
+        await run_in_threadpool(warm, m.llm)
 
     async def _load(self, m: ServedModel) -> None:
         start = self.clock()
@@ -161,7 +167,7 @@ class ModelRegistry:
                 raise EngineError(f"the server runs --scheduling-policy {self.config.scheduling_policy} but `load` "
                                   f"made an LLM with scheduling_policy={llm.scheduling_policy!r}; pass the same to "
                                   "both")
-            await run_in_threadpool(warm, llm)
+            await run_in_threadpool(llm.start)
         except Exception as e:  # noqa: BLE001 - answered 503 to whoever waits; the next request tries again
             m.load_error = str(e)
             log.error("model %s failed to load: %s", m.name, e)
@@ -174,7 +180,7 @@ class ModelRegistry:
         m.serving = OpenAIServing(llm, m.name, self.metrics.model(m.name), keepalive_s=self.config.keepalive_s,
                                   engine_alive=llm.is_running)
         self.metrics.loads.labels(m.name).inc()
-        log.info("model %s loaded and warmed in %.1f s", m.name, self.clock() - start)
+        log.info("model %s loaded in %.1f s", m.name, self.clock() - start)
 
     async def _make_room(self, m: ServedModel) -> None:
         """Unload least recently used idle models until `m` fits under models_max; 503 when none may go."""
@@ -229,8 +235,8 @@ class ModelRegistry:
 
 
 def warm(llm) -> None:
-    """Start the engine thread and run one short greedy generation through it (first-call costs paid now)."""
-    llm.start()
+    """Run one short greedy generation through the started engine (first-call costs paid now), and build the
+    grammars' tokenizer."""
     ids = llm.tokenizer.encode("Hello") or [0]
     for _ in llm.stream([ids], SamplingParams(temperature=0, max_tokens=2)):
         pass
