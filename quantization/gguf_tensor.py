@@ -82,8 +82,17 @@ def dequantized_note(source: dict) -> str | None:
     dequantized = source.get("dequantized") or {}
     if not dequantized:
         return None
-    names = sorted(dequantized)
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return (f"{len(names)} tensors of the GGUF file are {', '.join(sorted(set(dequantized.values())))}, which the "
-            f"engine does not keep as blocks (it keeps {', '.join(KEPT)}): they are dequantized to float32 "
-            f"({shown})")
+    # a mixture of experts' merged experts (3-D, `ffn_*_exps`) are dequantized whatever their kind
+    experts = sorted(n for n in dequantized if "_exps." in n)
+    names = sorted(n for n in dequantized if n not in experts)
+    notes = []
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        notes.append(f"{len(names)} tensors of the GGUF file are {', '.join(sorted({dequantized[n] for n in names}))}"
+                     f", which the engine does not keep as blocks (it keeps {', '.join(KEPT)}): they are dequantized "
+                     f"to float32 ({shown})")
+    if experts:
+        kinds = ", ".join(sorted({dequantized[n] for n in experts}))
+        notes.append(f"the {len(experts)} expert tensors of the GGUF file ({kinds}, 3-D) are dequantized to float32; "
+                     "build them with --dtype int4_wo or int8_wo (docs/moe.md)")
+    return "; ".join(notes)

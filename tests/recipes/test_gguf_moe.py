@@ -18,6 +18,7 @@ from engine.builder.build import build_engine
 from engine.core.artifacts import load_checkpoint_config
 from engine.core.errors import EngineError
 from engine.core.model_config import QuantConfig
+from engine.quantization.gguf_tensor import dequantized_note
 from engine.recipes.convert import ConvertConfig, convert
 from engine.recipes.gguf_source import GGUFSource
 from engine.recipes.sources import HFDirSource
@@ -54,8 +55,10 @@ def test_checkpoint_equals_the_hf_models(moe, ckpt):
     assert cfg.model.moe is not None
     if ckpt == "kept":   # attention's Q8_0 kept as blocks; the 3-D experts dequantized, and said so
         assert cfg.source["kept"]["Q8_0"] > 0
+        layers = range(model.config.num_hidden_layers)
         assert {k for k in cfg.source["dequantized"] if "_exps" in k} == {
-            f"blk.{i}.ffn_{p}_exps.weight" for i in range(model.config.num_hidden_layers) for p in ("gate", "up", "down")}
+            f"blk.{i}.ffn_{p}_exps.weight" for i in layers for p in ("gate", "up", "down")}
+        assert "expert tensors of the GGUF file (Q4_1, Q5_1, 3-D) are dequantized" in dequantized_note(cfg.source)
     (ours,), (theirs,) = read_ranks(ckpts[ckpt]), read_ranks(ckpts["hf"])
     assert ours.keys() == theirs.keys()
     for tensor in ours:
