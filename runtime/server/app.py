@@ -7,8 +7,8 @@ lifespan loads and closes the engine, and run_server serves it on uvicorn.
 Lifecycle: the app starts listening at once and loads the engine in a worker thread, then warms it with one
 short generation; until then /health is 503 (and so are the generation endpoints, with Retry-After). /health is
 also 503 when the engine loop died. With several engines (models.py) the start-up models are the pinned ones, else
-the default (first) one; the others load on first use. The engine runs in the LLM's own thread (its async API), never on the
-event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
+the default (first) one; the others load on first use. The engine runs in the LLM's own thread (its async API),
+never on the event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
 stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
 finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits. With
 state_dir (resume.py) the requests in flight are journaled when admitted (journal.py) and checkpointed every

@@ -59,6 +59,7 @@ class Prepared:
     prompts: list[tuple[list[int], str | None]]
     n: int
     parse_tools: bool = False          # tool calls are parsed out of the output (a chat request with tools)
+    lora: str | None = None            # the LoRA adapter its `model` named (models.py's Route), else the base
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,7 +93,8 @@ class OpenAIServing:
 
     # ---- preparing ---------------------------------------------------------------------------------------
 
-    async def prepare_completion(self, req: CompletionRequest, request_id: str | None = None) -> Prepared:
+    async def prepare_completion(self, req: CompletionRequest, request_id: str | None = None,
+                                 lora: str | None = None) -> Prepared:
         def tokenize():
             out = []
             for p in req.prompts:
@@ -105,10 +107,12 @@ class OpenAIServing:
             return out
         prompts = await run_in_threadpool(tokenize)
         await self.check_structured(req)
-        return self._prepare(response_id_for(False, request_id), req, prompts, req.max_tokens, req.logprobs,
+        prep = self._prepare(response_id_for(False, request_id), req, prompts, req.max_tokens, req.logprobs,
                              "prompt")
+        return dataclasses.replace(prep, lora=lora)
 
-    async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Prepared:
+    async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None = None,
+                           lora: str | None = None) -> Prepared:
         messages, tools = req.template_messages(), req.template_tools()
         if tools and "tools" not in (self.tokenizer.chat_template or ""):
             messages, tools = with_tools_in_system(messages, req.tools), None
@@ -129,7 +133,7 @@ class OpenAIServing:
         await self.check_structured(req)
         prep = self._prepare(response_id_for(True, request_id), req, [(ids, None)], req.requested_max_tokens,
                              req.num_logprobs, "messages")
-        return dataclasses.replace(prep, parse_tools=req.tool_mode != "none")
+        return dataclasses.replace(prep, parse_tools=req.tool_mode != "none", lora=lora)
 
     async def check_structured(self, req) -> None:
         """A 400 naming the field when llguidance cannot enforce the request's constraint, before any response
@@ -179,6 +183,10 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
+    def model_of(self, prep: Prepared) -> str:
+        """The `model` of a response: the adapter's name when its request named one (as vLLM answers)."""
+        return prep.lora or self.model_name
+
     def check_vocab(self, ids: list[int], param: str) -> None:
         vocab = self.llm.config.model.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -197,7 +205,7 @@ class OpenAIServing:
             rec = self.metrics.recorder()
             try:
                 async for out in self.llm.generate_async(c.prompt_ids, c.params, request_id=c.request_id,
-                                                         priority=priority):
+                                                         priority=priority, lora=prep.lora):
                     rec.observe(out)
                     if out.finished and self.on_finished is not None:
                         self.on_finished(c.request_id, out)
@@ -262,7 +270,7 @@ class OpenAIServing:
             lps = self.completion_logprobs(out.token_ids, out.logprobs, 0)[0] if out.logprobs is not None else None
             choices.append({"index": c.index, "text": echo + out.text, "logprobs": lps,
                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
-        return {"id": prep.id, "object": "text_completion", "created": prep.created, "model": self.model_name,
+        return {"id": prep.id, "object": "text_completion", "created": prep.created, "model": self.model_of(prep),
                 "choices": choices, "usage": self.usage(prep, finals)}
 
     def chat_response(self, prep: Prepared, finals) -> dict:
@@ -276,7 +284,7 @@ class OpenAIServing:
                                                           "refusal": None, "tool_calls": calls},
                             "logprobs": lps, "finish_reason": _finish_reason(out, bool(calls)),
                             "stop_reason": out.stop_reason})
-        return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": self.model_name,
+        return {"id": prep.id, "object": "chat.completion", "created": prep.created, "model": self.model_of(prep),
                 "choices": choices, "usage": self.usage(prep, finals)}
 
     async def stream(self, req, prep: Prepared, priority: int, chat: bool) -> AsyncIterator[str]:
@@ -284,7 +292,7 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices, **extra) -> str:
-            d = {"id": prep.id, "object": obj, "created": prep.created, "model": self.model_name,
+            d = {"id": prep.id, "object": obj, "created": prep.created, "model": self.model_of(prep),
                  "choices": choices, **extra}
             if req.include_usage and "usage" not in d:
                 d["usage"] = None

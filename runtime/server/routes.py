@@ -7,10 +7,10 @@
 
 Every route but /health and /metrics asks for the API key when the server has one (Authorization: Bearer KEY).
 A route first checks that the server is ready, finds the model its `model` names (models.py, 404 when unknown;
-left out, the first model) and admits the request (admission.py), then loads that model if need be; a client that disconnects,
-streaming or not, cancels its request, and its sequences are aborted and their KV blocks freed. It owns the
-translation between HTTP (headers, status codes, SSE responses) and the serving layer, and knows nothing of the
-app's lifecycle, middleware or error handlers (app.py).
+left out, the first model) and admits the request (admission.py), then loads that model if need be; a client that
+disconnects, streaming or not, cancels its request, and its sequences are aborted and their KV blocks freed. It
+owns the translation between HTTP (headers, status codes, SSE responses) and the serving layer, and knows nothing
+of the app's lifecycle, middleware or error handlers (app.py).
 """
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ async def _generate(state: ServerState, request: Request, body, chat: bool):
     streaming = False
     try:
         serving = await state.registry.serving(route)     # loads the model's engine on first use (models.py)
-        prep = await (serving.prepare_chat(body, client_id) if chat
-                      else serving.prepare_completion(body, client_id))
+        prep = await (serving.prepare_chat(body, client_id, route.adapter) if chat
+                      else serving.prepare_completion(body, client_id, route.adapter))
         keeper = state.keeper
         if keeper is not None:        # journaled before any byte, then saved in checkpoints until its client is done
             await keeper.track(prep, "chat" if chat else "completion", include_usage=body.include_usage,

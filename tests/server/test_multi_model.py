@@ -181,3 +181,27 @@ def test_a_slow_load_does_not_stall_requests_to_a_loaded_model(server_engine, qw
     finally:
         gate.set()
         s.stop()
+
+
+class _OneAdapter:
+    """The registry's LoRA hook (models.Adapters) with one adapter of the default model."""
+
+    def base_of(self, name):
+        return MODEL if name == "tiny-lora" else None
+
+    def names(self):
+        return [("tiny-lora", MODEL)]
+
+
+def test_an_adapter_hook_routes_to_its_base_and_lists_it_as_a_child(multi):
+    multi.state.registry.adapters = _OneAdapter()
+    try:
+        card = httpx.get(multi.url + "/v1/models").json()["data"][-1]
+        assert card["id"] == "tiny-lora" and card["parent"] == MODEL and card["root"] == MODEL
+        r = httpx.post(multi.url + "/v1/completions", json={"model": "tiny-lora", "prompt": PROMPT, "max_tokens": 2})
+        # the adapter's name reached the base's LLM, which has no adapters (the tiny engine has no LoRA inputs)
+        assert r.status_code == 400 and "LoRA adapter" in r.json()["error"]["message"], r.text
+        r = httpx.post(multi.url + "/v1/completions", json={"model": "nope", "prompt": PROMPT})
+        assert r.status_code == 404 and "`tiny-lora`" in r.json()["error"]["message"]
+    finally:
+        multi.state.registry.adapters = None
