@@ -4,6 +4,9 @@ greedy output, unknown models a 404 naming the served ones, and the loaded engin
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -205,3 +208,36 @@ def test_an_adapter_hook_routes_to_its_base_and_lists_it_as_a_child(multi):
         assert r.status_code == 404 and "`tiny-lora`" in r.json()["error"]["message"]
     finally:
         multi.state.registry.adapters = None
+
+
+def test_engine_serve_models_dir_routes_then_drains_on_sigterm(server_engine, qwen_engine, tmp_path):
+    (tmp_path / "a-tiny").symlink_to(server_engine)
+    (tmp_path / "b-qwen").symlink_to(qwen_engine)
+    (tmp_path / "notes").mkdir()                                       # no engine: skipped
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--models-dir", str(tmp_path), "--port", "0",
+                             "--max-kv-tokens", "2048", "--threads", "1", "--api-key", "k", "--models-max", "1"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = None, time.monotonic() + 60
+        while url is None:
+            line = proc.stderr.readline()
+            assert line and time.monotonic() < deadline, "engine serve exited before listening"
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=60) as c:
+            while c.get("/health").status_code != 200:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["a-tiny", "b-qwen"]
+            with c.stream("POST", "/v1/completions", json={"model": "b-qwen", "prompt": PROMPT, "max_tokens": 50,
+                                                          "ignore_eos": True, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert first_data_event(lines)["model"] == "b-qwen"
+                proc.send_signal(signal.SIGTERM)                        # drains the stream, then exits
+                events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
