@@ -11,7 +11,8 @@ to its first content chunk; then a second request to the now loaded model (its w
 the models, so host load falls on both columns alike.
 Then the stall: a second server without a cap (--unload-idle-seconds 1) streams from one model while the other
 loads; the largest gap between the stream's chunks during that load, against the stream's median gap.
-Default engines: SmolLM2's fp32 (.cache/bench/engines/fp32) and Qwen2.5-Coder-0.5B's gguf (.cache/bench/qwen2.5-coder-0.5b/engines/gguf), made by bench/compare.py.
+Default engines: SmolLM2's fp32 (.cache/bench/engines/fp32) and Qwen2.5-Coder-0.5B's gguf
+(.cache/bench/qwen2.5-coder-0.5b/engines/gguf), made by bench/compare.py.
 Writes bench/results/multi_model.json.
 """
 from __future__ import annotations

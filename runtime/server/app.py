@@ -8,8 +8,8 @@ Lifecycle: the app starts listening at once and loads the engine in a worker thr
 short generation; until then /health is 503 (and so are the generation endpoints, with Retry-After). /health is
 also 503 when the engine loop died. With several engines (models.py) the start-up models are the pinned ones, else
 the default (first) one; the others load on first use. The engine runs in the LLM's own thread (its async API),
-never on the event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the server
-stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
+never on the event loop; the event loop only parses, tokenizes in worker threads and relays outputs. On SIGTERM the
+server stops admitting (the listening socket closes; requests on open connections get 503), lets requests in flight
 finish for up to shutdown_timeout seconds, then aborts what is left, stops the engine thread and exits. With
 state_dir (resume.py) the requests in flight are journaled when admitted (journal.py) and checkpointed every
 state_checkpoint_interval seconds, and SIGTERM writes the state and exits at once; a server restarted on that
@@ -18,8 +18,9 @@ or GET /v1/requests/{id} (JSON). A client may name its response with an X-Reques
 cmpl-ID / chatcmpl-ID); every response carries its id in the X-Request-Id response header.
 
 Every error is OpenAI's {"error": {"message", "type", "param", "code"}}; what a client sent never causes a 500.
-Admission (429 beyond max_batch_size + max_queue sequences) is admission.py's, the endpoints routes.py's, the
-requests' meaning completions.py's, the metrics metrics.py's. The engine core (runtime/) knows nothing of this
+Admission (429 beyond max_batch_size + max_queue sequences) is admission.py's, the served engines (routing by
+`model`, loading and unloading) models.py's, the endpoints routes.py's, the requests' meaning completions.py's, the
+metrics metrics.py's. The engine core (runtime/) knows nothing of this
 package.
 """
 from __future__ import annotations
