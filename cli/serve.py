@@ -100,7 +100,8 @@ def serve_command(
     max_replicas: Optional[int] = serve_ray.MAX_REPLICAS,
     routing: Optional[str] = serve_ray.ROUTING,
 ):
-    """Serve an engine over HTTP with the OpenAI API (completions, chat completions, models, metrics)."""
+    """Serve one engine or several (routed by `model`) over HTTP with the OpenAI API (completions, chat, models,
+    metrics)."""
     from engine.runtime import LLM
     from engine.runtime.server.app import create_app, run_server
     from engine.runtime.server.config import ServerConfig

@@ -16,13 +16,14 @@ import typer
 
 from engine.core.errors import EngineError
 
-ENGINE_DIRS = typer.Option(None, "--engine-dir", help="Engine directory made by `engine build`; repeat it to serve "
-                           "several, each as NAME=PATH or PATH (named by the directory's name).")
-MODELS_DIR = typer.Option(None, "--models-dir", help="Serve every engine directory under DIR (a subdirectory "
-                          "holding config.json), named by its subdirectory's name.")
+ENGINE_DIRS = typer.Option(None, "--engine-dir", metavar="[NAME=]PATH", help="Engine directory made by `engine "
+                           "build`; repeat it to serve several, each as NAME=PATH or PATH (named by the directory's "
+                           "name).")
+MODELS_DIR = typer.Option(None, "--models-dir", metavar="DIR", help="Serve every engine directory under DIR (a "
+                          "subdirectory holding config.json), named by its subdirectory's name.")
 MODELS_MAX = typer.Option(None, "--models-max", help="Most engines loaded at once; the least recently used idle one "
                           "is unloaded to load another (default: no cap).")
-PIN = typer.Option(None, "--pin", help="A model loaded at start and never unloaded (repeatable).")
+PIN = typer.Option(None, "--pin", metavar="NAME", help="A model loaded at start and never unloaded (repeatable).")
 UNLOAD_IDLE = typer.Option(None, "--unload-idle-seconds", help="Unload an unpinned model after this many seconds "
                            "without requests (default: never).")
 
