@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from engine.core.errors import EngineError
 from engine.runtime import LLM
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.server.config import ModelSpec
@@ -38,10 +39,11 @@ def _loader(engine_dir, gate: threading.Event | None = None):
     return load
 
 
-def _serve(server_engine, qwen_engine, *, gate=None, **config) -> RunningServer:
-    """tiny (the default), qwen and tiny-b; qwen's load waits for `gate` when given."""
+def _serve(server_engine, qwen_engine, *, gate=None, qwen_load=None, **config) -> RunningServer:
+    """tiny (the default), qwen and tiny-b; qwen's load waits for `gate` when given, or is `qwen_load`."""
     dirs = {MODEL: server_engine, QWEN: qwen_engine, LLAMA_B: server_engine}
     loads = {name: _loader(d, gate if name == QWEN else None) for name, d in dirs.items()}
+    loads[QWEN] = qwen_load or loads[QWEN]
     s = RunningServer(server_engine, load=loads, keepalive_s=0.5, extra_models=(
         ModelSpec(QWEN, qwen_engine), ModelSpec(LLAMA_B, server_engine)), **config)
     s.wait_ready()
@@ -183,6 +185,25 @@ def test_a_slow_load_does_not_stall_requests_to_a_loaded_model(server_engine, qw
         assert waiting["text"] and _statuses(s)[QWEN] == "loaded"
     finally:
         gate.set()
+        s.stop()
+
+
+def test_a_failed_load_is_a_503_naming_it_and_the_next_request_tries_again(server_engine, qwen_engine):
+    tries = []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) == 1:
+            raise EngineError("the KV cache does not fit; lower --max-kv-tokens")
+        return LLM(qwen_engine, max_kv_tokens=2048)
+    s = _serve(server_engine, qwen_engine, qwen_load=flaky)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": QWEN, "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and f"model `{QWEN}` failed to load" in r.text and "does not fit" in r.text
+        assert httpx.get(s.url + "/health").status_code == 200 and _statuses(s)[QWEN] == "unloaded"
+        assert s.state.in_flight == 0
+        assert _complete(s, QWEN) and len(tries) == 2
+    finally:
         s.stop()
 
 
