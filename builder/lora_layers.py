@@ -27,6 +27,8 @@ def check_lora_build(model, build) -> None:
     """Refuse what LoRA engines do not support yet, naming the flag."""
     if not build.lora_target_modules:
         return
+    if build.lora_dtype not in lora.LORA_DTYPES:
+        raise EngineError(f"lora_dtype {build.lora_dtype!r} is not one of {', '.join(lora.LORA_DTYPES)}", usage=True)
     why = ("tensor parallelism (--tp > 1)" if build.tp_size > 1 else
            "the tensorrt backend" if build.backend == "tensorrt" else
            "mixture-of-experts models" if model.moe is not None else None)
@@ -40,13 +42,13 @@ class LoraLayers:
         self.lora_groups = lora.target_groups(self.b.lora_target_modules)
         if not self.lora_groups:
             return
-        g = self.g
+        g, elem = self.g, TensorProto.BFLOAT16 if self.b.lora_dtype == "bfloat16" else TensorProto.FLOAT
         g.input(lora.LORA_INDEX, TensorProto.INT64, ["T"])
         for i in range(self.m.num_layers):
             for group in self.lora_groups:
                 k, n = lora.group_shape(self.m, group)
-                g.input(lora.lora_a_name(i, group), TensorProto.FLOAT, ["lora_slots", f"lora_rows_{group}", k])
-                g.input(lora.lora_b_name(i, group), TensorProto.FLOAT, ["lora_slots", f"lora_rows_{group}", n])
+                g.input(lora.lora_a_name(i, group), elem, ["lora_slots", f"lora_rows_{group}", k])
+                g.input(lora.lora_b_name(i, group), elem, ["lora_slots", f"lora_rows_{group}", n])
 
     def lora_group(self, weight_name: str) -> tuple[int, str] | None:
         """(layer, group) of a projection tensor this engine adapts, else None."""
@@ -62,4 +64,5 @@ class LoraLayers:
         layer, group = target
         return lora_add(self.g, y, x, lora.LORA_INDEX, lora.lora_a_name(layer, group),
                         lora.lora_b_name(layer, group), columns=lora.group_columns(self.m, group),
-                        name=f"{name}/lora", kernel=self.p.engine_kernels_plugin)
+                        name=f"{name}/lora", kernel=self.p.engine_kernels_plugin,
+                        bf16=self.b.lora_dtype == "bfloat16")

@@ -111,6 +111,8 @@ LORA_TARGET_MODULES = typer.Option(None, "--lora-target-modules", help="Projecti
                                    "time (engine serve --lora-modules, engine run --lora): 'all', or PEFT module "
                                    "names, comma-separated (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj).",
                                    show_default="none: no LoRA")
+LORA_DTYPE = typer.Option("auto", "--lora-dtype", help="LoRA adapters' weights in the engine: float32, bfloat16 "
+                          "(half the bytes a token reads), or auto: bfloat16 over quantized weights, else float32.")
 WORKERS = typer.Option(1, "--workers", help="Ranks built in parallel (processes).")
 OPT_LEVEL = typer.Option("all", "--opt-level", help="ORT graph optimization applied once at build: disable, basic, "
                          "extended, all.")
@@ -155,6 +157,7 @@ def build_command(
     moe_tp_size: Optional[int] = MOE_TP_SIZE,
     moe_ep_size: Optional[int] = MOE_EP_SIZE,
     lora_target_modules: Optional[str] = LORA_TARGET_MODULES,
+    lora_dtype: str = LORA_DTYPE,
     workers: int = WORKERS,
     opt_level: str = OPT_LEVEL,
     dry_run: bool = DRY_RUN,

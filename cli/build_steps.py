@@ -24,7 +24,7 @@ from engine.builder.tensorrt_backend import TensorRTOptions, check_options, pars
 from engine.core.artifacts import CheckpointConfig, load_checkpoint_config
 from engine.core.engine_format import BuildConfig, EngineConfig, PluginConfig
 from engine.core.errors import EngineError
-from engine.core.lora import resolve_target_modules
+from engine.core.lora import resolve_lora_dtype, resolve_target_modules
 from engine.core.model_config import QuantConfig
 from engine.quantization import modes
 from engine.quantization.accuracy import AccuracyOptions
@@ -74,6 +74,7 @@ class BuildFlags:
     moe_tp_size: Optional[int]
     moe_ep_size: Optional[int]
     lora_target_modules: Optional[str]
+    lora_dtype: str
     workers: int
     opt_level: str
     dry_run: bool
@@ -129,7 +130,8 @@ def resolve_flags(flags: BuildFlags) -> BuildRequest:
         max_batch_size=flags.max_batch_size, max_input_len=max_input_len, max_seq_len=seq,
         max_num_tokens=flags.max_num_tokens, tokens_per_block=flags.tokens_per_block,
         kv_cache_dtype=kv_cache_dtype, dtype=compute_dtype, backend=backend, tp_size=tp, opt_level=flags.opt_level,
-        moe_ep_size=_moe_ep_size(flags, tp), lora_target_modules=_lora_target_modules(flags))
+        moe_ep_size=_moe_ep_size(flags, tp), lora_target_modules=_lora_target_modules(flags),
+        lora_dtype=resolve_lora_dtype(flags.lora_dtype, mode))
     check_build_config(ckpt.model, build)
     quant = QuantConfig(mode=mode, group_size=flags.group_size, quantize_lm_head=flags.quantize_lm_head,
                         accuracy_level=flags.quant_accuracy_level, lm_head_dtype=flags.lm_head_dtype)

@@ -139,6 +139,7 @@ class BuildConfig:
     moe_ep_size: int = 1                # experts split into this many groups of tp / moe_ep_size ranks (docs/moe.md)
     # projections that take LoRA adapters at run time (PEFT module names, core/lora.py); () builds none
     lora_target_modules: tuple[str, ...] = ()
+    lora_dtype: str = "float32"         # the adapters' weights in the session: float32 | bfloat16
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,14 @@ node over its projection (plugins/lora.py):
     gate_up   gate_proj, up_proj      (phi3: gate_up_proj) hidden -> gate|up gate: [0, I), up: [I, 2I)
     down      down_proj                                  I -> hidden       all
 
+The adapters' weights are float32 or bfloat16 (BuildConfig.lora_dtype; `--lora-dtype auto` picks bfloat16 for
+quantized bases, where a token's adapter bytes are a larger share of what it streams, and float32 otherwise).
+
 Graph inputs of such an engine, for S slots (slot 0 is "no adapter" and stays zero) and R_g = max_lora_rank times
 the group's modules, both chosen when a session is made (the dimensions are symbolic):
     lora_index        int64   [T]              each token's slot
-    lora.{i}.{g}.a    float32 [S, R_g, in]     module m's A in rows [m * r, (m + 1) * r), zero padded past its rank
-    lora.{i}.{g}.b    float32 [S, R_g, out]    module m's B^T times its scaling, in those rows and its own columns
+    lora.{i}.{g}.a    dtype [S, R_g, in]       module m's A in rows [m * r, (m + 1) * r), zero padded past its rank
+    lora.{i}.{g}.b    dtype [S, R_g, out]      module m's B^T times its scaling, in those rows and its own columns
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from engine.core.errors import EngineError
 from engine.core.model_config import ModelConfig
 
 LORA_INDEX = "lora_index"
+LORA_DTYPES = ("float32", "bfloat16")
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -55,6 +59,15 @@ def resolve_target_modules(names: list[str] | tuple[str, ...]) -> tuple[str, ...
                           f"'all' or any of {', '.join(MODULES)} (or {', '.join(FUSED)})", usage=True)
     expanded = {m for n in names for m in (GROUPS[FUSED[n]] if n in FUSED else (n,))}
     return tuple(m for m in MODULES if m in expanded)
+
+
+def resolve_lora_dtype(flag: str, quant_mode: str | None) -> str:
+    """--lora-dtype: auto is bfloat16 over quantized weights, float32 over float32 ones."""
+    if flag == "auto":
+        return "bfloat16" if quant_mode else "float32"
+    if flag not in LORA_DTYPES:
+        raise EngineError(f"--lora-dtype {flag!r} is not one of auto, {', '.join(LORA_DTYPES)}", usage=True)
+    return flag
 
 
 def target_groups(target_modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -2,11 +2,12 @@
 the inputs' layout: a [S, R, K], b [S, R, N] with the scaling in b, slot 0 all zeros).
 
     kernel=True:   (y, x, index, a, b) ─engine LoraAdd(columns)─▶ out       plugins/kernels/lora.cc: each token's
-                   rank rows only, each row block of b over its own columns only
+                   rank rows only, each row block of b over its own columns only (LoraAddBf16: a, b in bfloat16)
     kernel=False:  the standard-ONNX reference, every slot's product masked to each token's own slot:
                    x ─Gemm(a as [S*R, K], transB)─▶ u [T, S*R] ─Reshape [T, S, R]─▶ Mul(one-hot of index [T, S, 1])
                      ─Reshape [T, S*R]─▶ MatMul(b as [S*R, N])─▶ Add y
-                   (b's rows are zero outside their block's columns, so the full product adds the same terms)
+                   (b's rows are zero outside their block's columns, so the full product adds the same terms;
+                   bfloat16 a and b are Cast to float first)
 
 The node sits after the projection, so a LoRA engine's projections are not folded into the nodes after them
 (QuantMLP, *AddRMSNorm, QuantRotaryPagedAttention: those fold only a QuantMatMul they read directly).
@@ -14,15 +15,19 @@ The node sits after the projection, so a LoRA engine's projections are not folde
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from .graph import ENGINE_DOMAIN, Graph
 
 
 def lora_add(g: Graph, y: str, x: str, index: str, a: str, b: str, *, columns: list[int], name: str,
-             kernel: bool) -> str:
+             kernel: bool, bf16: bool = False) -> str:
     op = g.scope(name)
     if kernel:
-        return op("LoraAdd", [y, x, index, a, b], domain=ENGINE_DOMAIN, columns=[int(c) for c in columns])
+        return op("LoraAddBf16" if bf16 else "LoraAdd", [y, x, index, a, b], domain=ENGINE_DOMAIN,
+                  columns=[int(c) for c in columns])
+    if bf16:
+        a, b = op("Cast", [a], to=TensorProto.FLOAT), op("Cast", [b], to=TensorProto.FLOAT)
     shape = op("Shape", [a])                                             # [S, R, K]
     k_axis = op("Slice", [shape, g.const([2]), g.const([3])])
     u = op("Gemm", [x, op("Reshape", [a, op("Concat", [g.const([-1]), k_axis], axis=0)])], transB=1)

@@ -62,12 +62,12 @@ class EngineSession:
             self._binding.bind_ortvalue_output(name_out, value)
         self._lora = LORA_INDEX in self._input_names
         if self._lora:   # one zero slot until an LLM binds its adapters' slots (every token on the base model)
-            self.bind_lora(LoraSlots(model, build.lora_target_modules, 1, 1).inputs())
+            self.bind_lora(LoraSlots(model, build.lora_target_modules, 1, 1, build.lora_dtype).inputs())
 
     def bind_lora(self, arrays: dict[str, np.ndarray]) -> None:
         """Bind the LoRA inputs of an engine built with them to `arrays` (runtime/lora/slots.py), which stay
         shared: a slot written in place is what the next run reads."""
-        self._lora_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
+        self._lora_values = {name: _shared_value(a) for name, a in arrays.items()}
         for name, value in self._lora_values.items():
             self._binding.bind_ortvalue_input(name, value)
 
@@ -92,6 +92,16 @@ class EngineSession:
         self._session.run_with_iobinding(self._binding)
         logits = self._logits[:rows, :self.config.model.vocab_size]
         return logits.copy() if copy else logits
+
+
+def _shared_value(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over the array's memory; bfloat16 (ml_dtypes, which ORT's converter does not know) as its bits."""
+    if array.dtype == np.float32:
+        return ort.OrtValue.ortvalue_from_numpy(array)
+    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), _BFLOAT16)
+
+
+_BFLOAT16 = 16   # onnx.TensorProto.BFLOAT16 (the session does not import onnx: cold start)
 
 
 # the pool element of each --kv-cache-dtype an engine may have (quantization/kv_cache.py builds them)

@@ -34,6 +34,7 @@ constexpr ONNXTensorElementDataType kUint16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT
 constexpr ONNXTensorElementDataType kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr ONNXTensorElementDataType kBool = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
 
 // The tables RegisterCustomOps got. The kernels use these, not the one ORT hands CreateKernel: that is the table of
 // the op's version (1, custom_op_base), which need not have KernelContext_ParallelFor (version 17).

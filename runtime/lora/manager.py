@@ -59,7 +59,7 @@ class LoraManager:
         self.targets = config.build.lora_target_modules
         # without options the graph's inputs still need binding: one zero slot (every token on the base model)
         self.slots = LoraSlots(config.model, self.targets, 1 + options.max_loras if options else 1,
-                               options.max_lora_rank if options else 1)
+                               options.max_lora_rank if options else 1, config.build.lora_dtype)
         self._lock = threading.Lock()
         self._names: dict[str, int] = {}                    # registered name -> id
         self._paths: dict[int, Path] = {}                   # id -> directory (kept for requests in flight)

@@ -1,9 +1,11 @@
 """The resident adapters of a session: per layer and group one a [S, R_g, in] and one b [S, R_g, out] array
 (core/lora.py's layout), allocated once and bound to the graph's LoRA inputs, so a slot is loaded by writing its
-rows in place. Slot 0 is "no adapter" and stays zero.
+rows in place. Slot 0 is "no adapter" and stays zero. bfloat16 slots (ml_dtypes) round the adapter's float32
+values to nearest even as they are written.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from engine.core import lora
@@ -13,8 +15,10 @@ from .adapter import LoraWeights
 
 
 class LoraSlots:
-    def __init__(self, model: ModelConfig, target_modules: tuple[str, ...], num_slots: int, max_rank: int):
+    def __init__(self, model: ModelConfig, target_modules: tuple[str, ...], num_slots: int, max_rank: int,
+                 dtype: str = "float32"):
         self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
+        np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
         self.groups = lora.target_groups(target_modules)
         self.a: dict[tuple[int, str], np.ndarray] = {}
         self.b: dict[tuple[int, str], np.ndarray] = {}
@@ -22,8 +26,8 @@ class LoraSlots:
             for g in self.groups:
                 k, n = lora.group_shape(model, g)
                 rows = lora.group_row_blocks(g) * max_rank
-                self.a[(i, g)] = np.zeros((num_slots, rows, k), dtype=np.float32)
-                self.b[(i, g)] = np.zeros((num_slots, rows, n), dtype=np.float32)
+                self.a[(i, g)] = np.zeros((num_slots, rows, k), dtype=np_dtype)
+                self.b[(i, g)] = np.zeros((num_slots, rows, n), dtype=np_dtype)
 
     @property
     def nbytes(self) -> int:

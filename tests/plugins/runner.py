@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -20,7 +21,8 @@ from engine.plugins import native
 
 ONNX_TYPES = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int64): onnx.TensorProto.INT64,
               np.dtype(np.bool_): onnx.TensorProto.BOOL, np.dtype(np.int8): onnx.TensorProto.INT8,
-              np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.float16): onnx.TensorProto.FLOAT16}
+              np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.float16): onnx.TensorProto.FLOAT16,
+              np.dtype(ml_dtypes.bfloat16): onnx.TensorProto.BFLOAT16}
 
 
 def build(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray]) -> tuple[Graph, list[str]]:
@@ -51,7 +53,12 @@ def run_op(fn: Callable[..., str | tuple[str, ...]], feeds: dict[str, np.ndarray
     if uses_engine_kernels(model):
         native.register(opts)
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    results = session.run(outputs, feeds)
+    if any(a.dtype == ml_dtypes.bfloat16 for a in feeds.values()):   # ORT's numpy converter does not know it
+        values = {n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), onnx.TensorProto.BFLOAT16)
+                  if a.dtype == ml_dtypes.bfloat16 else ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}
+        results = [v.numpy() for v in session.run_with_ort_values(outputs, values)]
+    else:
+        results = session.run(outputs, feeds)
     return results[0] if len(results) == 1 else tuple(results)
 
 

@@ -1,6 +1,7 @@
 """plugins.lora: the engine's LoraAdd kernel and the standard-ONNX reference against NumPy, for a step of tokens that
 use different adapters (and none), each row block adding to its own columns; a token's floats do not depend on the
 tokens beside it."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -33,8 +34,21 @@ def feeds(rng, tokens):
 
 
 def run(f, kernel, **kw):
-    return run_op(lambda g, y, x, i, a, b: lora_add(g, y, x, i, a, b, columns=COLUMNS, name="/lora", kernel=kernel),
-                  f, **kw)
+    bf16 = f["a"].dtype == ml_dtypes.bfloat16
+    return run_op(lambda g, y, x, i, a, b: lora_add(g, y, x, i, a, b, columns=COLUMNS, name="/lora", kernel=kernel,
+                                                    bf16=bf16), f, **kw)
+
+
+def as_bf16(f):
+    return {**f, "a": f["a"].astype(ml_dtypes.bfloat16), "b": f["b"].astype(ml_dtypes.bfloat16)}
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "reference"])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_bfloat16_adapters_match_numpy_of_the_rounded_values(kernel, tokens):
+    f = as_bf16(feeds(np.random.default_rng(tokens), tokens))
+    widened = {**f, "a": f["a"].astype(np.float32), "b": f["b"].astype(np.float32)}
+    assert_close(run(f, kernel=kernel), lora_add_numpy(*widened.values(), COLUMNS), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 37])
@@ -64,6 +78,9 @@ def test_kernel_without_avx2(monkeypatch, tmp_path):
     library_without(monkeypatch, tmp_path, "-mno-avx2", "-mno-fma", "-mno-avx512f")
     f = feeds(np.random.default_rng(3), 9)
     assert_close(run(f, kernel=True), lora_add_numpy(*f.values(), COLUMNS), rtol=1e-4, atol=1e-4)
+    b = as_bf16(f)
+    widened = {**b, "a": b["a"].astype(np.float32), "b": b["b"].astype(np.float32)}
+    assert_close(run(b, kernel=True), lora_add_numpy(*widened.values(), COLUMNS), rtol=1e-4, atol=1e-4)
 
 
 def test_kernel_refuses_an_index_out_of_range():

@@ -44,18 +44,19 @@ class Models:
             make_tiny_model(key, d)
         return d
 
-    def engine(self, key: str, quant: str | None = None, targets=lora.MODULES, plugins: bool = True) -> Path:
+    def engine(self, key: str, quant: str | None = None, targets=lora.MODULES, plugins: bool = True,
+               lora_dtype: str = "float32") -> Path:
         from engine.builder.build import build_engine
         from engine.core.model_config import QuantConfig
         from engine.quantization.accuracy import AccuracyOptions
         from engine.recipes.convert import ConvertConfig, convert
         from engine.recipes.sources import HFDirSource
-        d = self.root / key / f"engine_{quant}_{len(targets)}_{plugins}"
+        d = self.root / key / f"engine_{quant}_{len(targets)}_{plugins}_{lora_dtype}"
         if not d.exists():
             ckpt = self.root / key / "ckpt"
             if not ckpt.exists():
                 convert(HFDirSource(self.hf(key)), ConvertConfig(output_dir=ckpt))
-            build_engine(ckpt, d, BuildConfig(**BUILD, lora_target_modules=tuple(targets)),
+            build_engine(ckpt, d, BuildConfig(**BUILD, lora_target_modules=tuple(targets), lora_dtype=lora_dtype),
                          PluginConfig() if plugins else PluginConfig(engine_kernels_plugin=False),
                          quant=QuantConfig(mode=quant) if quant else None, accuracy=AccuracyOptions(eval_tokens=0))
         return d
@@ -105,7 +106,7 @@ def engine_logits(engine: Path, adapter: Path | None, prompts: list[list[int]]) 
     """Last-token logits of each prompt in one step, adapter in slot 1 for every prompt (or none)."""
     session = EngineSession(engine, num_blocks=32)
     cfg = session.config
-    slots = LoraSlots(cfg.model, cfg.build.lora_target_modules, 2, 8)
+    slots = LoraSlots(cfg.model, cfg.build.lora_target_modules, 2, 8, cfg.build.lora_dtype)
     if adapter:
         slots.write(1, load_adapter(adapter, cfg.model, cfg.build.lora_target_modules, 8))
     session.bind_lora(slots.inputs())
@@ -153,11 +154,12 @@ def test_more_adapters_than_slots_wait_and_stay_exact(models):
     assert [o.token_ids for o in narrow.generate(prompts, GREEDY, lora=names)] == expect
 
 
+@pytest.mark.parametrize("lora_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["int8_wo", "int4_wo"])
-def test_quantized_base_within_mode_tolerance(models, mode):
+def test_quantized_base_within_mode_tolerance(models, mode, lora_dtype):
     key = "LlamaForCausalLM"
     adapter = models.adapter(key, seed=2)
-    got = engine_logits(models.engine(key, quant=mode), adapter, PROMPTS)
+    got = engine_logits(models.engine(key, quant=mode, lora_dtype=lora_dtype), adapter, PROMPTS)
     ref = models.reference(key, adapter)
     expected = np.stack([hf_logits(ref, ids) for ids in PROMPTS])
     assert relative_rms(got, expected) <= LOGITS_RELATIVE_RMS[mode]

@@ -1,0 +1,156 @@
+"""LoRA adapters: what serving them costs against the base engine (issue #51's goals: a rank-16 adapter on every
+attention and MLP projection decodes at batch 1 no more than 10% slower than the base engine; 32 streams spread
+over 4 adapters reach >= 0.85x the throughput of 32 streams on the base).
+
+    .venv/bin/python -m bench.lora [--model smollm2|qwen2.5-coder-0.5b|...] [--dtype gguf] [--rank 16]
+        [--rounds 3] [--max-tokens 128] [--streams 32] [--threads 2] [--parts batch1 streams]
+
+Engines (cached under .cache/bench/lora/MODEL-DTYPE): `base`, built as usual, and `lora`, the same build with
+--lora-target-modules all. Adapters: PEFT-format directories of rank --rank on all seven projections, random
+(written here with safetensors: speed does not depend on the values; tests/runtime/test_lora.py checks them
+against peft).
+  batch1   one 64-token prompt, --max-tokens greedy tokens (ignore_eos), decode tok/s (steps without a prefill):
+           base engine | lora engine, no adapter | lora engine, adapter; the three in turns, --rounds times.
+  streams  --streams prompts in one generate call (continuous batching), tokens / wall seconds: base engine |
+           lora engine, no adapter | lora engine, the prompts spread over 4 adapters (max_loras 4); in turns.
+Prints a table and writes bench/results/lora_MODEL-DTYPE.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench.real_models import DEFAULT_CACHE, gguf
+from bench.structured import StepClock
+from engine.core import lora
+from engine.runtime import LLM, SamplingParams
+from engine.runtime.engine_dir import load_engine_config
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+PEFT_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def engines(model: str, dtype: str, cache: Path) -> tuple[Path, Path]:
+    """(base, lora) engine directories, converted and built with the CLI on first use."""
+    root = cache / "lora" / f"{model}-{dtype}"
+    ckpt, base, adapted = root / "ckpt", root / "base", root / "lora"
+    engine = [sys.executable, "-m", "engine.cli"]
+    if not (ckpt / "config.json").is_file():
+        subprocess.run([*engine, "convert", "--gguf", str(gguf(model)), "--output-dir", str(ckpt), "--force"],
+                       check=True)
+    for out, extra in ((base, []), (adapted, ["--lora-target-modules", "all"])):
+        if not (out / "config.json").is_file():
+            subprocess.run([*engine, "build", "--checkpoint-dir", str(ckpt), "--output-dir", str(out), "--dtype",
+                            dtype, "--eval-tokens", "0", "--force", *extra], check=True)
+    return base, adapted
+
+
+def write_adapter(out: Path, engine: Path, rank: int, seed: int) -> Path:
+    """A PEFT adapter directory of rank `rank` on every projection of the engine's model (random weights)."""
+    from safetensors.numpy import save_file
+    if (out / "adapter_model.safetensors").is_file():
+        return out
+    model = load_engine_config(engine).model
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(model.num_layers):
+        for module, parent in PEFT_NAMES.items():
+            k = lora.group_shape(model, lora.MODULE_GROUP[module])[0]
+            c0, c1 = lora.module_columns(model, module)
+            stem = f"base_model.model.model.layers.{i}.{parent}.{module}"
+            tensors[f"{stem}.lora_A.weight"] = (rng.standard_normal((rank, k)) / np.sqrt(k)).astype(np.float32)
+            tensors[f"{stem}.lora_B.weight"] = (rng.standard_normal((c1 - c0, rank)) * 0.01).astype(np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                         "target_modules": list(PEFT_NAMES)}))
+    return out
+
+
+def batch1(llms: dict, prompt: list[int], max_tokens: int, rounds: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rates = {name: [] for name in llms}
+    for r in range(rounds):
+        order = list(llms) if r % 2 == 0 else list(reversed(llms))
+        for name in order:
+            llm, adapter = llms[name]
+            with StepClock(llm) as clock:
+                llm.generate([prompt], params, lora=adapter)
+            rates[name].append(clock.decode_rate()["tok_s"])
+    return rates
+
+
+def streams(llms: dict, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rates = {name: [] for name in llms}
+    for r in range(rounds):
+        order = list(llms) if r % 2 == 0 else list(reversed(llms))
+        for name in order:
+            llm, adapters = llms[name]
+            names = [adapters[i % len(adapters)] for i in range(len(prompts))] if adapters else None
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, lora=names)
+            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="gguf")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parts", nargs="+", default=["batch1", "streams"])
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    args = ap.parse_args()
+    label = f"{args.model}-{args.dtype}"
+    base_dir, lora_dir = engines(args.model, args.dtype, args.cache)
+    adapters = {f"a{s}": write_adapter(args.cache / "lora" / f"{label}-r{args.rank}-{s}", lora_dir, args.rank, s)
+                for s in range(4)}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 20000, 64).tolist() for _ in range(args.streams)]
+    base = LLM(base_dir, threads=args.threads)
+    adapted = LLM(lora_dir, threads=args.threads,
+                  lora_config={"max_loras": 4, "max_lora_rank": args.rank, "modules": adapters})
+    results = {"model": args.model, "dtype": args.dtype, "rank": args.rank, "threads": args.threads,
+               "max_tokens": args.max_tokens, "adapter_mb": round(adapted.loras.slots.nbytes / 5 / 2 ** 20, 1)}
+    table = Table(title=f"LoRA rank {args.rank} on {label}, {args.threads} threads (medians of {args.rounds})")
+    for col in ("part", "base", "lora engine, no adapter", "lora engine, adapters", "adapters / base", "goal"):
+        table.add_column(col)
+    if "batch1" in args.parts:
+        r = batch1({"base": (base, None), "no_adapter": (adapted, None), "adapter": (adapted, "a0")},
+                   prompts[0], args.max_tokens, args.rounds)
+        results["batch1_decode_tok_s"] = r
+        _row(table, "batch 1 decode tok/s", r, "adapter", ">= 0.90")
+    if "streams" in args.parts:
+        r = streams({"base": (base, None), "no_adapter": (adapted, None), "adapters": (adapted, list(adapters))},
+                    prompts, args.max_tokens, args.rounds)
+        results["streams_tok_s"] = r
+        _row(table, f"{args.streams} streams tok/s", r, "adapters", ">= 0.85")
+    Console().print(table)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"lora_{label}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _row(table: Table, part: str, rates: dict, adapted: str, goal: str) -> None:
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    table.add_row(part, f"{med['base']:.1f}", f"{med['no_adapter']:.1f}", f"{med[adapted]:.1f}",
+                  f"{med[adapted] / med['base']:.3f}", goal)
+
+
+if __name__ == "__main__":
+    main()
