@@ -134,10 +134,13 @@ def serve_command(
     rank_failure = StopOnRankFailure()
 
     def loader(engine_dir: Path):
+        kept = {}   # the first load's Tokenizer, for reloads: parsing tokenizer.json stalls the other models' streams
+
         def load():
             llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
                       threads=threads, scheduling_policy=scheduling_policy, stream_interval=stream_interval,
-                      distributed=distributed, speculative_config=speculation)
+                      distributed=distributed, speculative_config=speculation, tokenizer=kept.get("tokenizer"))
+            kept["tokenizer"] = llm.tokenizer
             rank_failure.attach(llm)
             return llm
         return load

@@ -74,7 +74,8 @@ class LLM:
     dict or lora.LoraConfig: max_loras, max_lora_rank, max_cpu_loras, modules) serves LoRA adapters on an engine
     built with --lora-target-modules; `self.loras` adds and removes them, requests name one (lora=). `max_sequences`: the
     most sequences this LLM will run at once when fewer than max_batch_size (`engine run` knows its prompts); the
-    pool is then no larger than they can use."""
+    pool is then no larger than they can use. `tokenizer`: this engine's Tokenizer, already loaded (a server that
+    reloads an engine keeps it: parsing tokenizer.json holds the GIL, stalling the server's other streams)."""
 
     def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
                  max_kv_tokens: int | None = None, threads: int | None = None,
@@ -83,7 +84,8 @@ class LLM:
                  max_prefill_chunk_with_decodes: int | None = DEFAULT_MAX_PREFILL_CHUNK_WITH_DECODES,
                  max_num_tokens: int | None = None, max_batch_size: int | None = None, stream_interval: int = 1,
                  distributed=None, speculative_config: SpeculativeConfig | dict | None = None,
-                 max_sequences: int | None = None, lora_config: LoraConfig | dict | None = None):
+                 max_sequences: int | None = None, lora_config: LoraConfig | dict | None = None,
+                 tokenizer: Tokenizer | None = None):
         from .session import EngineSession  # onnxruntime is imported only when an engine is really loaded
         self.engine_dir = Path(engine_dir)
         self.config = load_engine_config(self.engine_dir)
@@ -110,7 +112,7 @@ class LLM:
         # tokenizer.json (~0.15 s to parse) loads on another thread while the session loads the graph, which
         # releases the GIL: a cold start pays for the longer of the two, not both
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-tokenizer")
-        tokenizer = loader.submit(Tokenizer, self.engine_dir)
+        parsing = loader.submit(Tokenizer, self.engine_dir) if tokenizer is None else None
         loader.shutdown(wait=False)
         self.kv_plan: KVPlan = plan_kv_cache(self.config, kv_cache_mem_fraction=kv_cache_mem_fraction,
                                              max_kv_tokens=max_kv_tokens, kv_cache_bytes=kv_cache_memory_bytes,
@@ -127,7 +129,7 @@ class LLM:
             self.session = TrtSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks)
         else:
             self.session = EngineSession(self.engine_dir, num_blocks=self.kv_plan.num_blocks, threads=threads)
-        self.tokenizer = tokenizer.result()
+        self.tokenizer = tokenizer if tokenizer is not None else parsing.result()
         # the adapters by name (runtime/lora/), on an engine built with LoRA inputs (their slots bound to them)
         self.loras = LoraManager(self.config, lora) if b.lora_target_modules else None
         if self.loras is not None:

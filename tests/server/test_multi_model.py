@@ -262,3 +262,17 @@ def test_engine_serve_models_dir_routes_then_drains_on_sigterm(server_engine, qw
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_reload_may_keep_the_first_loads_tokenizer(server_engine):
+    first = LLM(server_engine, max_kv_tokens=2048)
+    try:
+        want = first.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].text
+    finally:
+        first.close()
+    again = LLM(server_engine, max_kv_tokens=2048, tokenizer=first.tokenizer)   # as engine serve's loaders do
+    try:
+        assert again.tokenizer is first.tokenizer
+        assert again.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].text == want
+    finally:
+        again.close()
