@@ -4,7 +4,8 @@ cold start plus 0.5 s.
     .venv/bin/python -m bench.multi_model [--engine NAME=DIR ...] [--repeats 5] [--threads 2]
 
 One `engine serve` holds every engine with --models-max 1, so each request to the other model is a switch: the
-loaded one is unloaded (least recently used, idle) and the asked one loaded and warmed before its first token.
+loaded one is unloaded (least recently used, idle) and the asked one loaded before its first token. First each
+model's first load (which parses its tokenizer; reloads keep it) against its cold start, then the turns.
 Each turn, for each model in order: its cold start (bench/startup.py's api run: a fresh process, spawn to the first
 token of LLM.stream), then a streamed completion of the same prompt (1 token) to the running server, from the request
 to its first content chunk; then a second request to the now loaded model (its warm first token). Turns interleave
@@ -81,17 +82,29 @@ def summary(runs: list[dict], key: str) -> dict:
     return {"best": round(min(xs), 3), "median": round(statistics.median(xs), 3)}
 
 
+def first_loads(engines: dict[str, Path], threads: int, url: str) -> list[dict]:
+    """Each model not loaded at start (all but the first): its cold start, then its first switch, which also parses
+    its tokenizer (later loads reuse it)."""
+    out = []
+    for name, d in list(engines.items())[1:]:
+        run_api(d, threads)                 # untimed: the engine's files into the file cache
+        cold = run_api(d, threads)["first_token_s"]
+        out.append({"model": name, "cold_s": cold, "switch_s": round(first_token_s(url, name), 3)})
+        print(f"first load: {name}: cold start {cold:.3f} s, switch {out[-1]['switch_s']:.3f} s", flush=True)
+    return out
+
+
 def measure(engines: dict[str, Path], repeats: int, threads: int, url: str) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {n: [] for n in engines}
-    names = list(engines)
-    first_token_s(url, names[-1])           # untimed: every engine read once (file cache), the last one loaded
     for turn in range(repeats):
         for name, d in engines.items():
-            cold = run_api(d, threads)["first_token_s"]
+            api = run_api(d, threads)
+            cold = api["first_token_s"]
             assert statuses(url)[name] == "unloaded", statuses(url)
             switch = first_token_s(url, name)
             warm = first_token_s(url, name)
-            runs[name].append({"cold_s": cold, "switch_s": round(switch, 3), "warm_s": round(warm, 3)})
+            runs[name].append({"cold_s": cold, "cold_imports_s": api["imports_s"], "switch_s": round(switch, 3),
+                               "warm_s": round(warm, 3)})
             print(f"turn {turn}: {name}: cold start {cold:.3f} s, switch {switch:.3f} s, loaded {warm:.3f} s",
                   flush=True)
     return runs
@@ -140,6 +153,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     proc, url = start_server(engines, a.threads, "--models-max", "1")
     try:
+        firsts = first_loads(engines, a.threads, url)
         runs = measure(engines, a.repeats, a.threads, url)
     finally:
         proc.terminate()
@@ -147,16 +161,17 @@ def main() -> None:
     names = list(engines)
     proc, url = start_server(engines, a.threads, "--unload-idle-seconds", "1", "--pin", names[0])
     try:
-        stalls = [stall(url, names[0], other) for _ in range(a.repeats) for other in names[1:]]
+        stalls = [dict(stall(url, names[0], other), first_load=i == 0) for i in range(a.repeats) for other in names[1:]]
     finally:
         proc.terminate()
         proc.wait(60)
     result = {"goal": f"first token of a request to an unloaded model <= its cold start + {GOAL_S} s",
               "threads": a.threads, "repeats": a.repeats, "server": "engine serve --models-max 1",
               "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "models": report(engines, runs),
-              "stall": stalls, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "first_loads": firsts, "stall": stalls, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     for st in stalls:
-        print(f"stream from {st['streamed']} while {st['loading']} loads ({st['load_s']} s): largest chunk gap "
+        print(f"stream from {st['streamed']} while {st['loading']} {'first ' if st['first_load'] else 're'}loads "
+              f"({st['load_s']} s): largest chunk gap "
               f"{st['max_gap_during_load_s']} s, median {st['median_gap_s']} s")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "multi_model.json"
@@ -167,15 +182,18 @@ def main() -> None:
 def report(engines: dict[str, Path], runs: dict[str, list[dict]]) -> list[dict]:
     """Per model: the cold start, switch and loaded first tokens (best, median) and the goal's verdict; a table."""
     records = []
-    print(f"\n{'model':<12} {'cold start':>11} {'switch':>8} {'switch-cold':>12} {'loaded':>8}  (medians, s)")
+    print(f"\n{'model':<12} {'cold start':>11} {'its imports':>12} {'switch':>8} {'switch-cold':>12} {'loaded':>8}"
+          "  (medians, s)")
     for name, rs in runs.items():
         delta = statistics.median(r["switch_s"] - r["cold_s"] for r in rs)
         d = engines[name]
         rec = {"model": name, "engine": str(d.relative_to(ROOT)) if d.is_relative_to(ROOT) else d.name,
-               "cold": summary(rs, "cold_s"), "switch": summary(rs, "switch_s"), "loaded": summary(rs, "warm_s"),
+               "cold": summary(rs, "cold_s"), "cold_imports": summary(rs, "cold_imports_s"),
+               "switch": summary(rs, "switch_s"), "loaded": summary(rs, "warm_s"),
                "switch_minus_cold_median_s": round(delta, 3), "pass": delta <= GOAL_S, "runs": rs}
         records.append(rec)
-        print(f"{name:<12} {rec['cold']['median']:>11.3f} {rec['switch']['median']:>8.3f} {delta:>12.3f} "
+        print(f"{name:<12} {rec['cold']['median']:>11.3f} {rec['cold_imports']['median']:>12.3f} "
+              f"{rec['switch']['median']:>8.3f} {delta:>12.3f} "
               f"{rec['loaded']['median']:>8.3f}")
     return records
 
