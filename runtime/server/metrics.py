@@ -18,9 +18,9 @@
     process_resident_memory_bytes, process_virtual_memory_bytes, ...  prometheus-client's process collector
     engine:model_loaded, engine:model_loads_total, engine:model_unloads_total   per served model (no vLLM
                                                                 name): which engines are loaded (models.py)
-Every series carries model_name; an engine's gauges and counters appear while it is loaded. Each app owns its
-registry (no global state), so several servers can live in
-one process (the tests). The engine's gauges and counters come from `LLM.stats()` at scrape time.
+Every series carries model_name; an engine's gauges and counters appear while it is loaded, read from
+`LLM.stats()` at scrape time. Each app owns its registry (no global state), so several servers can live in one
+process (the tests).
 """
 from __future__ import annotations
 
