@@ -276,3 +276,20 @@ def test_a_reload_may_keep_the_first_loads_tokenizer(server_engine):
         assert again.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].text == want
     finally:
         again.close()
+
+
+def test_admission_is_per_model(server_engine, qwen_engine):
+    s = _serve(server_engine, qwen_engine, max_queue=0)               # each model admits its batch of 8
+    try:
+        with slow_steps(s, 0.05), httpx.Client(base_url=s.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 30,
+                                                          "n": 8, "ignore_eos": True, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert first_data_event(lines)["choices"]
+                full = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+                assert full.status_code == 429 and f"model `{MODEL}`" in full.json()["error"]["message"]
+                assert c.post("/v1/completions", json={"model": QWEN, "prompt": PROMPT,
+                                                       "max_tokens": 2}).status_code == 200
+                sse_events(lines)
+    finally:
+        s.stop()
