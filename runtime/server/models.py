@@ -114,7 +114,7 @@ class ModelRegistry:
             return Route(self.models[base], adapter=name)
         served = ", ".join(f"`{n}`" for n in self.names())
         raise APIError(f"The model `{name}` does not exist; this server serves {served}.", status=404,
-                       type="not_found_error", param="model", code="model_not_found")
+                       param="model", code="model_not_found")    # OpenAI's type for it: invalid_request_error
 
     def names(self) -> list[str]:
         return list(self.models) + [a for a, _ in (self.adapters.names() if self.adapters is not None else ())]

@@ -93,7 +93,7 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(multi):
     with pytest.raises(openai.NotFoundError) as e:
         _client(multi).completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     err = e.value.body
-    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert err["code"] == "model_not_found" and err["param"] == "model" and err["type"] == "invalid_request_error"
     assert all(f"`{m}`" in err["message"] for m in (MODEL, QWEN, LLAMA_B)) and "`nope`" in err["message"]
     r = httpx.post(multi.url + "/tokenize", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
