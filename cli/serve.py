@@ -6,6 +6,8 @@
 
     engine serve --models-dir ENGINES [--models-max 2] [--pin NAME]   # several engines, by `model` (serve_models.py)
 
+    engine serve --engine-dir ENGINE --lora-modules sql=ADAPTER_DIR [--max-loras 4]   # LoRA adapters (serve_lora.py)
+
 Binds 127.0.0.1 unless --host says otherwise. /health answers 200 once the engine is loaded and warmed. SIGTERM
 or Ctrl-C stops admission and lets requests in flight finish for up to --shutdown-timeout seconds; with
 --state-dir it saves them instead and exits at once, and the next server on that directory resumes them. The server
@@ -21,7 +23,7 @@ import typer
 
 from engine.core.errors import EngineError
 
-from . import options, serve_models, serve_ray
+from . import options, serve_lora, serve_models, serve_ray
 from .distributed import StopOnRankFailure, distributed_from_env, serve_rank_if_worker
 
 HOST = typer.Option("127.0.0.1", "--host", help="Address to bind (default 127.0.0.1, this machine only; 0.0.0.0 "
@@ -99,6 +101,11 @@ def serve_command(
     min_replicas: Optional[int] = serve_ray.MIN_REPLICAS,
     max_replicas: Optional[int] = serve_ray.MAX_REPLICAS,
     routing: Optional[str] = serve_ray.ROUTING,
+    lora_modules: Optional[list[str]] = serve_lora.LORA_MODULES,
+    max_loras: Optional[int] = serve_lora.MAX_LORAS,
+    max_lora_rank: int = serve_lora.MAX_LORA_RANK,
+    max_cpu_loras: Optional[int] = serve_lora.MAX_CPU_LORAS,
+    allow_runtime_lora_updating: bool = serve_lora.ALLOW_UPDATES,
 ):
     """Serve one engine or several (routed by `model`) over HTTP with the OpenAI API (completions, chat, models,
     metrics)."""
@@ -119,9 +126,14 @@ def serve_command(
                           http=HTTPLimits(max_header_bytes, header_timeout, keep_alive_timeout),
                           state_dir=state_dir, state_checkpoint_interval=state_checkpoint_interval,
                           state_result_ttl=state_result_ttl)
+    adapters = serve_lora.adapter_table(lora_modules, max_loras, max_lora_rank, max_cpu_loras,
+                                        allow_runtime_lora_updating, {m.name: m.engine_dir for m in config.models})
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     ray_flags = serve_ray.RayFlags(ray, ray_address, replicas, min_replicas, max_replicas, routing)
     serve_models.check_one_engine(config.models, ray=ray, speculation=speculation)
+    if ray and adapters is not None:
+        raise EngineError("LoRA adapters (--lora-modules, --max-loras) are not served through --ray yet; serve them "
+                          "without --ray", usage=True)
     if ray:   # Ray is imported on this path only
         return serve_ray.serve_with_ray(config, ray_flags, kv_cache_mem_fraction=kv_cache_mem_fraction,
                                         max_kv_tokens=max_kv_tokens, threads=threads,
@@ -133,19 +145,20 @@ def serve_command(
         return 0
     rank_failure = StopOnRankFailure()
 
-    def loader(engine_dir: Path):
+    def loader(name: str, engine_dir: Path):
         kept = {}   # the first load's Tokenizer, for reloads: parsing tokenizer.json stalls the other models' streams
 
         def load():
             llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
                       threads=threads, scheduling_policy=scheduling_policy, stream_interval=stream_interval,
-                      distributed=distributed, speculative_config=speculation, tokenizer=kept.get("tokenizer"))
+                      distributed=distributed, speculative_config=speculation, tokenizer=kept.get("tokenizer"),
+                      lora_config=adapters.lora_config(name) if adapters else None)
             kept["tokenizer"] = llm.tokenizer
             rank_failure.attach(llm)
             return llm
         return load
 
-    app = create_app(config, load={m.name: loader(m.engine_dir) for m in config.models})
+    app = create_app(config, load={m.name: loader(m.name, m.engine_dir) for m in config.models}, adapters=adapters)
     rc = run_server(app, config, log_level=log_level)
     if rank_failure.message is not None:
         raise EngineError(rank_failure.message)

@@ -72,9 +72,9 @@ class LLM:
     `speculative_config` (vLLM's: a dict or SpeculativeConfig, e.g. {"method": "ngram", "num_speculative_tokens":
     4}): decoding proposes k tokens a step and keeps what the engine confirms (speculative/). `lora_config` (a
     dict or lora.LoraConfig: max_loras, max_lora_rank, max_cpu_loras, modules) serves LoRA adapters on an engine
-    built with --lora-target-modules; `self.loras` adds and removes them, requests name one (lora=). `max_sequences`: the
-    most sequences this LLM will run at once when fewer than max_batch_size (`engine run` knows its prompts); the
-    pool is then no larger than they can use. `tokenizer`: this engine's Tokenizer, already loaded (a server that
+    built with --lora-target-modules; `self.loras` adds and removes them, requests name one (lora=).
+    `max_sequences`: the most sequences this LLM will run at once when fewer than max_batch_size (`engine run`
+    knows its prompts); the pool is then no larger than they can use. `tokenizer`: this engine's Tokenizer, already loaded (a server that
     reloads an engine keeps it: parsing tokenizer.json holds the GIL, stalling the server's other streams)."""
 
     def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,

@@ -46,6 +46,7 @@ from .config import ServerConfig
 from .http_limits import HTTPLimits, limited_protocol
 from .metrics import ServerMetrics
 from .internal_errors import InternalErrors
+from .lora_adapters import AdapterTable
 from .models import ModelRegistry
 from .protocol import APIError, validation_error
 from .resume import StateKeeper
@@ -54,10 +55,12 @@ from .routes import add_routes
 log = logging.getLogger("engine.server")
 
 
-def create_app(config: ServerConfig, load: Callable[[], object] | Mapping[str, Callable[[], object]]) -> FastAPI:
+def create_app(config: ServerConfig, load: Callable[[], object] | Mapping[str, Callable[[], object]],
+               adapters: AdapterTable | None = None) -> FastAPI:
     """The app; `load` builds the LLM (called in a worker thread) with config's scheduling_policy: one callable
     for a server of one engine, else a mapping from each model name (config.models) to its own. If a start-up
-    model fails to load, /health stays 503 and a server started by run_server exits with status 1."""
+    model fails to load, /health stays 503 and a server started by run_server exits with status 1. `adapters`:
+    the LoRA adapters served by name (lora_adapters.py; `load` gives each base its lora_config)."""
     loaders = load if isinstance(load, Mapping) else {config.served_model_name: load}
     missing = [m.name for m in config.models if m.name not in loaders]
     if missing:
@@ -67,6 +70,7 @@ def create_app(config: ServerConfig, load: Callable[[], object] | Mapping[str, C
         result_ttl=config.state_result_ttl)
     metrics = ServerMetrics(lambda: [(m.name, m.llm) for m in registry.models.values()])
     registry = ModelRegistry(config, loaders, metrics)    # a bad engine dir fails here, before serving
+    registry.adapters = adapters
     state = ServerState(config, registry=registry, metrics=metrics, keeper=keeper)
     app = FastAPI(title="engine", lifespan=_lifespan(state))
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)

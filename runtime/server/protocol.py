@@ -298,6 +298,16 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(_Body):      # vLLM's POST /v1/load_lora_adapter
+    lora_name: str
+    lora_path: str
+    base_model_name: Optional[str] = None
+
+
+class UnloadLoraAdapterRequest(_Body):    # vLLM's POST /v1/unload_lora_adapter
+    lora_name: str
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """A 400 from pydantic's errors (FastAPI's RequestValidationError), naming the first bad field."""
     e = errors[0]

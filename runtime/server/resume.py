@@ -152,7 +152,8 @@ class StateKeeper:
         t = Tracked(prep.id, kind, prep.created, include_usage, prep.num_prompt_tokens, choices)
         self._add(t)
         for c in prep.choices:          # until a snapshot has it, a choice is saved as it starts
-            self._sequences[c.request_id] = SequenceState.at_start(c.request_id, c.prompt_ids, c.params, priority)
+            self._sequences[c.request_id] = SequenceState.at_start(c.request_id, c.prompt_ids, c.params, priority,
+                                                                   lora_name=prep.lora)
         try:
             await self.journal.admit(t.state(self._sequences))
         except EngineError as e:

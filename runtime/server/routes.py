@@ -4,6 +4,7 @@
     resume       GET /v1/requests/{id}/stream, GET /v1/requests/{id}   responses resumed after a restart (resume.py)
     info         GET /v1/models, GET /health, GET /metrics       /v1/models lists every model, loaded or not
     tokens       POST /tokenize, POST /detokenize
+    lora         POST /v1/load_lora_adapter, /v1/unload_lora_adapter   --allow-runtime-lora-updating (lora_adapters.py)
 
 Every route but /health and /metrics asks for the API key when the server has one (Authorization: Bearer KEY).
 A route first checks that the server is ready, finds the model its `model` names (models.py, 404 when unknown;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
+from pathlib import Path
 from typing import Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
@@ -28,9 +30,11 @@ from engine.core.errors import EngineError
 from .admission import ServerState
 from .completions import OpenAIServing, response_id_for
 from .config import ServerConfig
+from .lora_adapters import LoraModule
 from .metrics import CONTENT_TYPE
 from .models import Route
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoraAdapterRequest,
+                       TokenizeRequest, UnloadLoraAdapterRequest)
 from .resume import Tracked
 from .sse import parse_event_id
 
@@ -44,6 +48,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     _add_resume_routes(app, state, auth)
     _add_info_routes(app, state, auth)
     _add_token_routes(app, state, auth)
+    if state.registry.adapters is not None and state.registry.adapters.options.allow_updates:
+        _add_lora_routes(app, state, auth)
 
 
 # ---- generation ------------------------------------------------------------------------------------------------
@@ -151,6 +157,38 @@ def _add_info_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     @app.get("/metrics")
     async def metrics_endpoint():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---- LoRA adapters at run time (--allow-runtime-lora-updating) -------------------------------------------------
+
+def _add_lora_routes(app: FastAPI, state: ServerState, auth: list) -> None:
+    table = state.registry.adapters
+
+    @app.post("/v1/load_lora_adapter", dependencies=auth)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        module = LoraModule(body.lora_name, Path(body.lora_path), body.base_model_name)
+        try:
+            module = await run_in_threadpool(table.add, module)
+            base = state.registry.models[module.base]
+            if base.loading is not None:    # its lora_config may have been read before the adapter was added
+                await asyncio.gather(asyncio.shield(base.loading), return_exceptions=True)
+            if base.llm is not None and module.name not in base.llm.loras.names():
+                await run_in_threadpool(base.llm.loras.add, module.name, module.path)
+        except EngineError as e:
+            raise APIError(str(e), param="lora_path", code="invalid_lora_adapter") from None
+        return Response(f"Success: LoRA adapter '{module.name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=auth)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        try:
+            module = table.remove(body.lora_name)
+        except EngineError as e:
+            raise APIError(str(e), status=404, type="not_found_error", param="lora_name",
+                           code="lora_adapter_not_found") from None
+        llm = state.registry.models[module.base].llm
+        if llm is not None:           # requests in flight finish with it
+            llm.loras.remove(module.name)
+        return Response(f"Success: LoRA adapter '{module.name}' removed successfully.", media_type="text/plain")
 
 
 # ---- tokenize, detokenize --------------------------------------------------------------------------------------

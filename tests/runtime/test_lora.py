@@ -3,87 +3,26 @@ logits and greedy tokens with each adapter; a step mixing adapters and the base 
 quantized bases within their mode's tolerance; adapters the engine cannot apply refused naming what is wrong."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engine.core import lora
-from engine.core.engine_format import BuildConfig, PluginConfig
 from engine.core.errors import EngineError
 from engine.runtime import LLM, SamplingParams
 from engine.runtime.lora.adapter import load_adapter
 from engine.runtime.lora.slots import LoraSlots
 from engine.runtime.session import EngineSession
 from engine.runtime.step_inputs import SeqChunk
+from tests.lora_models import Models
 from tests.quantization.engines import LOGITS_RELATIVE_RMS, relative_rms
-from tests.tiny_models import make_tiny_model
 from tests.tolerances import assert_logits_close
 
 peft = pytest.importorskip("peft")
 
-BUILD = dict(max_batch_size=8, max_input_len=48, max_seq_len=64, max_num_tokens=64, tokens_per_block=8)
 PROMPTS = [[1, 17, 99, 3, 250, 41, 7], [1, 300, 12, 5, 5, 88, 19, 401, 6, 77, 23]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-# PEFT's module names per family (Phi-3 stores q|k|v and gate|up fused, and so do its adapters)
-TARGETS = {"Phi3ForCausalLM": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
-SPLIT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class Models:
-    """Tiny HF models, their LoRA engines and adapters, made once per test session."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def hf(self, key: str) -> Path:
-        d = self.root / key / "hf"
-        if not d.exists():
-            make_tiny_model(key, d)
-        return d
-
-    def engine(self, key: str, quant: str | None = None, targets=lora.MODULES, plugins: bool = True,
-               lora_dtype: str = "float32") -> Path:
-        from engine.builder.build import build_engine
-        from engine.core.model_config import QuantConfig
-        from engine.quantization.accuracy import AccuracyOptions
-        from engine.recipes.convert import ConvertConfig, convert
-        from engine.recipes.sources import HFDirSource
-        d = self.root / key / f"engine_{quant}_{len(targets)}_{plugins}_{lora_dtype}"
-        if not d.exists():
-            ckpt = self.root / key / "ckpt"
-            if not ckpt.exists():
-                convert(HFDirSource(self.hf(key)), ConvertConfig(output_dir=ckpt))
-            build_engine(ckpt, d, BuildConfig(**BUILD, lora_target_modules=tuple(targets), lora_dtype=lora_dtype),
-                         PluginConfig() if plugins else PluginConfig(engine_kernels_plugin=False),
-                         quant=QuantConfig(mode=quant) if quant else None, accuracy=AccuracyOptions(eval_tokens=0))
-        return d
-
-    def adapter(self, key: str, seed: int, r: int = 4, targets=None, **config) -> Path:
-        """A random (non-zero B) PEFT adapter of the tiny model, saved with save_pretrained."""
-        d = self.root / key / f"adapter_{seed}_{r}_{json.dumps(config, sort_keys=True)}_{targets}"
-        if not d.exists():
-            torch.manual_seed(seed)
-            model = peft.get_peft_model(self.base(key), peft.LoraConfig(
-                r=r, lora_alpha=2 * r, target_modules=targets or TARGETS.get(key, SPLIT), init_lora_weights=False,
-                **config))
-            with torch.no_grad():   # large enough to change greedy tokens of a random model
-                for name, p in model.named_parameters():
-                    if "lora_B" in name:
-                        p.mul_(4.0)
-            model.save_pretrained(d)
-        return d
-
-    def base(self, key: str):
-        from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_pretrained(self.hf(key), torch_dtype=torch.float32,
-                                                    attn_implementation="eager").eval()
-
-    def reference(self, key: str, adapter: Path | None):
-        model = self.base(key)
-        return peft.PeftModel.from_pretrained(model, adapter).eval() if adapter else model
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,12 @@ MODEL = "tiny"
 class RunningServer:
     """create_app + uvicorn on a socket bound to 127.0.0.1:0; `stop()` shuts it down as SIGTERM would."""
 
-    def __init__(self, engine_dir: Path, load=None, **config):
+    def __init__(self, engine_dir: Path, load=None, adapters=None, **config):
         import uvicorn
         self.config = ServerConfig(engine_dir=engine_dir, served_model_name=MODEL, **config)
         self.app = create_app(self.config, load or (lambda: LLM(engine_dir, max_kv_tokens=8 * 256,
-                                                                 scheduling_policy=self.config.scheduling_policy)))
+                                                                 scheduling_policy=self.config.scheduling_policy)),
+                              adapters=adapters)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
