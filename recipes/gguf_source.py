@@ -143,6 +143,10 @@ class GGUFSource:
                     parts.setdefault(hf.replace("{i}", m.group(1)) if m.groups() else hf, []).append((order, name))
                     break
             else:
+                if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):   # older llama.cpp Mixtral files
+                    raise EngineError(f"{self.path} stores one tensor per expert ({name}), as llama.cpp's Mixtral "
+                                      "files did before the experts were merged; convert the Hugging Face model with "
+                                      "--model-dir, or use a GGUF with merged ffn_*_exps tensors")
                 raise EngineError(f"tensor {name!r} of {self.path} is not part of a {self.architecture} model as this "
                                   "engine knows it; the file has modules the converter does not support")
         return {hf: tuple(name for _, name in sorted(found)) for hf, found in parts.items()}

@@ -90,3 +90,12 @@ def test_gguf_blocks_refused_for_experts(moe, tmp_path):
     _, _, ckpts = moe
     with pytest.raises(EngineError, match="--dtype gguf.*dequantized at convert.*int4_wo"):
         build_engine(ckpts["kept"], tmp_path / "e", TEST_BUILD, ALL_PLUGINS, quant=QuantConfig(mode="gguf"))
+
+
+def test_one_tensor_per_expert_is_refused_with_what_to_do(tmp_path):
+    """Older llama.cpp Mixtral files store blk.N.ffn_gate.E.weight per expert, which the engine does not read."""
+    from tests.recipes.test_gguf_families import _minimal_gguf
+    path = _minimal_gguf(tmp_path / "m.gguf", "llama", {"expert_count": 4, "expert_used_count": 2},
+                         ("blk.0.ffn_gate.0.weight",))
+    with pytest.raises(EngineError, match="one tensor per expert \\(blk.0.ffn_gate.0.weight\\).*--model-dir"):
+        GGUFSource(path)
