@@ -72,6 +72,8 @@ CHOICE = typer.Option(None, "--choice", help="Constrain every output to one of t
                       "each choice (default: none).")
 GRAMMAR = typer.Option(None, "--grammar", help="Constrain every output to this Lark or GBNF grammar file (default: "
                        "none).")
+LORA = typer.Option(None, "--lora", help="Run every prompt with this LoRA adapter (a PEFT directory), on an engine "
+                    "built with --lora-target-modules (default: none).")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class RunFlags:
     regex: Optional[str]
     choice: Optional[list[str]]
     grammar: Optional[Path]
+    lora: Optional[Path]
 
 
 def run_command(
@@ -152,6 +155,7 @@ def run_command(
     regex: Optional[str] = REGEX,
     choice: Optional[list[str]] = CHOICE,
     grammar: Optional[Path] = GRAMMAR,
+    lora: Optional[Path] = LORA,
 ):
     """Generate from prompts with an engine: several prompts run together, with a summary of speeds."""
     flags = RunFlags(**locals())  # first: the parameters are all there is in locals()
@@ -231,6 +235,7 @@ def _read_text(path: Path, flag: str) -> str:
 
 def _load(flags: RunFlags, distributed, num_prompts: int):
     from engine.runtime import LLM
+    from engine.runtime.lora.adapter import adapter_rank
 
     # the prompts are all the sequences this run has: a pool for more of them would only take memory
     return LLM(flags.engine_dir, kv_cache_mem_fraction=flags.kv_cache_mem_fraction, max_sequences=num_prompts,
@@ -240,7 +245,9 @@ def _load(flags: RunFlags, distributed, num_prompts: int):
                max_num_tokens=flags.max_num_tokens, max_batch_size=flags.max_batch_size, distributed=distributed,
                speculative_config=options.speculative_config(flags.speculative, flags.num_speculative_tokens,
                                                              flags.draft_engine_dir, flags.prompt_lookup_min,
-                                                             flags.prompt_lookup_max))
+                                                             flags.prompt_lookup_max),
+               lora_config=None if flags.lora is None else {"max_lora_rank": adapter_rank(flags.lora),
+                                                            "modules": {"lora": flags.lora}})
 
 
 def _generate(llm, flags: RunFlags, prompts: list, params, priorities: list[int]) -> list:
@@ -249,7 +256,8 @@ def _generate(llm, flags: RunFlags, prompts: list, params, priorities: list[int]
               for p in prompts]
     outputs = {}
     printer = _StreamPrinter(tagged=len(prompts) > 1) if flags.streaming else None
-    for out in llm.stream(inputs, params, request_ids=(order := []), priority=priorities):
+    lora = "lora" if flags.lora is not None else None
+    for out in llm.stream(inputs, params, request_ids=(order := []), priority=priorities, lora=lora):
         if out.finished:
             outputs[out.request_id] = out
         if printer is not None:

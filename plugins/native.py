@@ -31,7 +31,6 @@ from pathlib import Path
 from engine.core.errors import EngineError
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = sorted(KERNELS.glob("*.cc"))
 FLAGS = ["-O3", "-march=native", "-mtune=generic", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
          "-fno-math-errno", "-pthread"]
 # never unloaded: the kernels' own pool (kernels/spin_pool.h) keeps threads that run the library's code
@@ -129,7 +128,8 @@ def _intact(target: Path) -> bool:
 def _compile_objects(cxx: str, work: Path) -> list[Path]:
     """Each source compiled to an object in `work`, as many at once as this process may use CPUs (the largest
     first): paged_attention.cc alone takes about half of a serial compile, 14 of 31 s on a 2-core Zen 3."""
-    sources = sorted(SOURCES, key=lambda path: path.stat().st_size, reverse=True)
+    # globbed now, not at import: the digest hashes the files present now, and must name what is compiled
+    sources = sorted(KERNELS.glob("*.cc"), key=lambda path: path.stat().st_size, reverse=True)
     objects = [work / (path.stem + ".o") for path in sources]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=cpus) as pool:

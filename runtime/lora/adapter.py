@@ -81,6 +81,12 @@ def load_adapter(path: Path | str, model: ModelConfig, target_modules: tuple[str
     return weights
 
 
+def adapter_rank(path: Path | str) -> int:
+    """The largest rank an adapter directory declares (r, rank_pattern): what its slots must hold."""
+    config = _read_config(Path(path))
+    return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
+
+
 def _read_config(path: Path) -> dict:
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise EngineError(f"LoRA adapter {path}: expected a PEFT adapter directory with {CONFIG} and {WEIGHTS} "
