@@ -15,8 +15,9 @@ comment, plugins/kernels/quant_matmul.cc, draws the bytes):
 
 A sub-block of 32 K values holds their low 4 bits as the 4-bit tiles do, then 5 and 6 bits add one or two 64-byte
 planes of the high bits (kernels/quant_tiles.h weight_at; quant_matmul.sub_block_bytes lays out every width); 8 bits
-are bytes. The activations are rounded to int8 per block of 32 (per block for the legacy kinds), as llama.cpp rounds
-them to Q8 blocks.
+are bytes. The activations are rounded to int8 per block of the weights' (32, or a K-quant super-block of 256), as
+llama.cpp rounds them to Q8_0 and Q8_K blocks: a super-block's integer sub-block scales then apply to integer dot
+products, one float scale a super-block.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from engine.quantization.gguf_tensor import GGUFTensor
 
 from .graph import ENGINE_DOMAIN, Graph, Scope
 from .linear import _add_bias, bias_name_for
-from .quant_matmul import HEADER, LANES, SUB, per_column, sub_block_bytes
+from .quant_matmul import HEADER, LANES, per_column, sub_block_bytes
 
 SUB_SCALE_BYTES = 256  # the K-quant header's sub-block scales (and mins) of a tile and block
 
@@ -45,11 +46,6 @@ class Format:
 
     def attributes(self) -> dict[str, int]:
         return {"bits": self.bits, "group_size": self.group_size, "offsets": self.offsets, "scales": self.scales}
-
-    @property
-    def act_group(self) -> int:
-        """The span of the activations' int8 blocks: one sub-block under K-quant scales."""
-        return SUB if self.scales else self.group_size
 
     def block_bytes(self) -> int:
         return HEADER + (SUB_SCALE_BYTES if self.scales else 0) + self.group_size * LANES * self.bits // 8
@@ -119,10 +115,10 @@ def pack_tensor(t: GGUFTensor) -> tuple[np.ndarray, Format]:
 
 
 def reference(x: np.ndarray, dec: Decoded) -> np.ndarray:
-    """What QuantMatMul computes for these weights: x rounded to int8 per block of Format.act_group, times the exact
+    """What QuantMatMul computes for these weights: x rounded to int8 per block of Format.group_size, times the exact
     weights (gguf_blocks.dequantize), summed in float64. The tests' reference lowering."""
     n, k = dec.shape
-    g = FORMATS[dec.kind].act_group
+    g = FORMATS[dec.kind].group_size
     blocks = np.asarray(x, dtype=np.float32).reshape(-1, k // g, g)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):

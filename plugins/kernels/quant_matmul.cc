@@ -72,13 +72,16 @@ struct QuantKernel {
   int64_t out_n() const { return mlp ? down.out_n() : first.out_n(); }
 };
 
-// sum(qa) of each half block of 16 of block `at` (kScales16 weights read them).
+// sum(qa) of each 16 and each 32 values of block `at` (the K-quant tiles read them).
 inline void half_sums(const int8_t* qb, int64_t group, Activations& a, size_t at) {
   for (int64_t h = 0; h < group / 16; ++h) {
     int32_t sum = 0;
     for (int64_t e = 0; e < 16; ++e) sum += qb[16 * h + e];
-    a.sum16[at * group / 16 + h] = sum;
+    a.sum16[at * group / 16 + h] = static_cast<int16_t>(sum);
   }
+  for (int64_t s = 0; s < group / 32; ++s)
+    a.sum32[at * group / 32 + s] =
+        static_cast<int16_t>(a.sum16[at * group / 16 + 2 * s] + a.sum16[at * group / 16 + 2 * s + 1]);
 }
 
 // One block of `group` values xb -> its int8 values qb, their scale da and sum, da * sum and zero * sum (the shifts
@@ -95,7 +98,9 @@ void quantize_block(const float* xb, int64_t group, int8_t* qb, Activations& a, 
   for (e = 0; e < group; e += 16) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + e), inv));  // nearest, ties even
     const int32_t half = _mm512_reduce_add_epi32(v);
-    a.sum16[at * group / 16 + e / 16] = half;
+    a.sum16[at * group / 16 + e / 16] = static_cast<int16_t>(half);
+    if (e % 32 == 16)
+      a.sum32[at * group / 32 + e / 32] = static_cast<int16_t>(a.sum16[at * group / 16 + e / 16 - 1] + half);
     sum += half;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + e), _mm512_cvtepi32_epi8(v));
   }
@@ -139,12 +144,13 @@ void sized_for(Activations& a, int64_t tokens, int64_t k, int64_t group) {
   a.dasum.resize(a.d.size());
   a.zero_sum.resize(a.d.size());
   a.sum16.resize(static_cast<size_t>(tokens * k / 16));
+  a.sum32.resize(static_cast<size_t>(tokens * k / 32));
 }
 
 // Row t of x -> its int8 values, scales and sums, one block at a time.
 void quantize_row(void* opaque, size_t t) {
   const auto& j = *static_cast<const QuantJob*>(opaque);
-  const int64_t row = static_cast<int64_t>(t), group = act_group(j.group, j.scales), blocks = j.k / group;
+  const int64_t row = static_cast<int64_t>(t), group = j.group, blocks = j.k / group;
   for (int64_t b = 0; b < blocks; ++b)
     quantize_block(j.x + row * j.k + b * group, group, j.a->q.data() + row * j.k + b * group, *j.a,
                    static_cast<size_t>(row * blocks + b), zero_point(j.bits, j.offsets));
@@ -232,7 +238,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
   // 48). The SwiGLU items keep whole blocks of the next projection, which they quantize.
   const bool quantizes_next = quantized.after != nullptr && quantized.after->bits != kFloatBits;
   const int64_t row_chunks = (tokens + job.row_chunk - 1) / job.row_chunk;
-  const int64_t g = quantizes_next ? act_group(quantized.after->group, quantized.after->scales) : 0;
+  const int64_t g = quantizes_next ? quantized.after->group : 0;
   job.tile_chunk = tokens == 1 ? std::clamp<int64_t>(job.item_tiles() / (floats ? 32 : 8), 1, 4) : 4;
   // float32 items keep pairs of tiles, whose rows share x's broadcasts (float_tiles.h float_pair)
   const int64_t least = job.swiglu && g >= kLanes && g % kLanes == 0 ? std::min<int64_t>(4, g / kLanes)
@@ -250,7 +256,7 @@ bool project(const Api& api, OrtKernelContext* context, const Projection& p, con
     return false;
   }
   if (quantized.x == nullptr && !floats && !p.float_x) {
-    sized_for(a, tokens, k, act_group(p.group, p.scales));
+    sized_for(a, tokens, k, p.group);
     if (tokens == 1) quantize_row(&job, 0);
     else parallel_for(api, context, static_cast<size_t>(tokens), quantize_row, &job);
   }

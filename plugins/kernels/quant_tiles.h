@@ -48,7 +48,10 @@ struct Activations {
   std::vector<int32_t> sum;  // [T, K / group]: sum(qa)
   std::vector<float> dasum;  // [T, K / group]: da * sum(qa), the shift of blocks with offsets (shift_at)
   std::vector<int32_t> zero_sum;  // [T, K / group]: zero_point * sum(qa), the shift of blocks without (0 with)
-  std::vector<int32_t> sum16;     // [T, K / 16]: sum(qa) of each half block (GGUF Q6_K's scales span 16 values)
+  // sum(qa) of each 16 and each 32 values as int16 (|sum| <= 32 * 127), the pairs vpdpwssd reads against a K-quant
+  // super-block's Q6_K scales (a scale per 16) or Q4_K / Q5_K mins (a min per 32)
+  std::vector<int16_t> sum16;  // [T, K / 16]
+  std::vector<int16_t> sum32;  // [T, K / 32]
   // The same rows in groups of 16 as AMX reads them (quant_amx.h): [T / 16, K / kc, 16, kc] A tiles, and per
   // group, block and row the scale da and the shift (shift_at below)
   std::vector<int8_t> tiles;
@@ -108,9 +111,6 @@ constexpr int64_t kSubScaleBytes = 256;  // the K-quant header's sub-block scale
 inline int64_t block_bytes(int64_t bits, int64_t group, int64_t scales = kScalesBlock) {
   return (bits == kFloatBits ? 0 : kHeader) + (scales ? kSubScaleBytes : 0) + group * kLanes * bits / 8;
 }
-
-// The span of the activations' int8 blocks: the weights' block, or one sub-block under K-quant scales.
-inline int64_t act_group(int64_t group, int64_t scales) { return scales ? kSub : group; }
 
 // Whether the AMX and bfloat16 tiles (quant_amx.h, quant_bf16.h) read these weights: 4 or 8 bits, one scale a block.
 inline bool plain_blocks(int64_t bits, int64_t scales) { return (bits == 4 || bits == 8) && !scales; }
@@ -335,65 +335,98 @@ inline __m512 bytes_ps(const uint8_t* p) {
   return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
-// Output rows t0 .. t0 + R - 1 of one tile of K-quant super-blocks (scales kScalesMin or kScales16): each sub-block
-// of 32 is added to the rows' sums on its own, as its scale (and min, or the halves' scales) differ from the next's;
-// the activations' blocks are the sub-blocks. kScalesMin: d * sc * (q . qa) * da - dmin * mn * da * sum(qa);
-// kScales16: per half h of 16, d * sc_h * da * (q_h . qa_h - 32 * sum_h(qa)).
+// acc + the int16 pairs of `pairs` times the pair of int16 at a, broadcast to every lane (vpdpwssd), as
+// dot_broadcast: a K-quant super-block's mins (or Q6_K's scales) against a row's sums.
+inline __m512i pairs_broadcast(__m512i acc, __m512i pairs, const int16_t* a) {
+  asm("vpdpwssd {%2%{1to16%}, %1, %0|%0, %1, %2%{1to16%}}"
+      : "+v"(acc)
+      : "v"(pairs), "m"(*reinterpret_cast<const int32_t*>(a)));
+  return acc;
+}
+
+// The 16 columns' int16 pairs (v[2 p][c], v[2 p + 1][c]) of two rows of 16 bytes at p: Q4_K / Q5_K's unsigned
+// mins, Q6_K's signed scales.
+template <bool Signed>
+inline __m512i byte_pairs(const uint8_t* p) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  const __m512i first = Signed ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+  const __m512i second = _mm512_slli_epi32(Signed ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi), 16);
+  return _mm512_ternarylogic_epi32(second, first, _mm512_set1_epi32(0xFFFF), 0xF8);  // second | (first & 0xFFFF)
+}
+
+// Output rows t0 .. t0 + R - 1 of one tile of K-quant super-blocks (scales kScalesMin or kScales16), with the
+// activations in blocks of 256, one da a super-block (llama.cpp's Q8_K): each sub-block's integer dot products
+// take its integer scale (vpmulld) into one int32 sum a super-block, and the mins (or Q6_K's zero point 32) one
+// vpdpwssd of the super-block's int16 pairs against the row's sums of 32 (or 16) per pair; then one float multiply:
+//   kScalesMin: d * da * sum_s sc_s (q_s . qa_s) - dmin * da * sum_s mn_s sum_s(qa)
+//   kScales16:  d * da * (sum_h sc_h (q_h . qa_h) - 32 sum_h sc_h sum_h(qa))        (h: the halves of 16)
+// |sum| < 2^31: Q6_K's 16 halves of 16 * 63 * 127 times |sc| <= 128 is 2.7e8. Float rounding moves from each
+// sub-block to each super-block; the values are the same.
 template <int Bits, int Scales, int R>
 void ktile_rows(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, bool stream) {
-  constexpr int kChains = Scales == kScales16 ? 2 : (R >= 8 ? 1 : 2);  // kScales16: a chain per half
-  const int64_t blocks = j.k / kSub;  // the activations' blocks a row
+  constexpr bool kHalves = Scales == kScales16;                 // a dot product per half of 16, else per 32
+  constexpr int kChains = kHalves ? 1 : (R >= 8 ? 1 : 2);       // chains of vpdpbusd a row and dot product
+  const int64_t per_row = kHalves ? j.k / 16 : j.k / 32;        // the rows' sums of 16 (or 32)
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
   const int8_t* qa = j.a->q.data() + t0 * j.k;
-  const float *da = j.a->d.data() + t0 * blocks, *dasum = j.a->dasum.data() + t0 * blocks;
-  const int32_t* sum16 = j.a->sum16.data() + t0 * 2 * blocks;
+  const float* da = j.a->d.data() + t0 * j.groups;
+  const int16_t* sums = (kHalves ? j.a->sum16.data() : j.a->sum32.data()) + t0 * per_row;
   __m512 acc[R];
   ENGINE_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < j.groups; ++b) {
     const uint8_t* header = p;
     if (stream) prefetch_ahead<2>(header, kHeader + kSubScaleBytes, kKQuantLead);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
     const uint8_t* sub_scales = header + kHeader;
     p += kHeader + kSubScaleBytes;
+    __m512i sum[R];
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
     for (int64_t s = 0; s < j.group / kSub; ++s, p += sub_bytes(Bits)) {
       if (stream) prefetch_ahead<2>(p, sub_bytes(Bits), kKQuantLead);
       __m512i w[8];
       load_sub<Bits>(p, w);
-      const int64_t ab = b * (j.group / kSub) + s;  // the activations' block
-      __m512i dot[R][kChains];
       ENGINE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + ab * kSub);
-        ENGINE_UNROLL
-        for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
-        ENGINE_UNROLL
-        for (int i = 0; i < 8; ++i) dot[r][i * kChains / 8] = dot_broadcast(dot[r][i * kChains / 8], w[i], a + i);
-      }
-      if constexpr (Scales == kScalesMin) {
-        const __m512 scale = _mm512_mul_ps(d, bytes_ps<false>(sub_scales + 16 * s));
-        const __m512 minimum = _mm512_mul_ps(dmin, bytes_ps<false>(sub_scales + 128 + 16 * s));
+      for (int h = 0; h < (kHalves ? 2 : 1); ++h) {
+        const __m128i sc_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            sub_scales + (kHalves ? 32 * s + 16 * h : 16 * s)));
+        const __m512i sc = kHalves ? _mm512_cvtepi8_epi32(sc_bytes) : _mm512_cvtepu8_epi32(sc_bytes);
+        constexpr int kCount = kHalves ? 4 : 8;  // the registers of a dot product
         ENGINE_UNROLL
         for (int r = 0; r < R; ++r) {
-          const __m512i dots = kChains == 1 ? dot[r][0] : _mm512_add_epi32(dot[r][0], dot[r][kChains - 1]);
-          acc[r] = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(dasum[r * blocks + ab]), acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, _mm512_set1_ps(da[r * blocks + ab])),
-                                   acc[r]);
-        }
-      } else {
-        const __m512 scale[2] = {_mm512_mul_ps(d, bytes_ps<true>(sub_scales + 32 * s)),
-                                 _mm512_mul_ps(d, bytes_ps<true>(sub_scales + 32 * s + 16))};
-        ENGINE_UNROLL
-        for (int r = 0; r < R; ++r) {
-          const __m512 rd = _mm512_set1_ps(da[r * blocks + ab]);
+          const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + b * j.group + s * kSub) + 4 * h;
+          __m512i dot[kChains];
           ENGINE_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            const int32_t zero = 32 * sum16[r * 2 * blocks + 2 * ab + h];
-            const __m512i centred = _mm512_sub_epi32(dot[r][h], _mm512_set1_epi32(zero));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale[h], rd), acc[r]);
-          }
+          for (int c = 0; c < kChains; ++c) dot[c] = _mm512_setzero_si512();
+          ENGINE_UNROLL
+          for (int i = 0; i < kCount; ++i)
+            dot[i * kChains / kCount] = dot_broadcast(dot[i * kChains / kCount], w[4 * h + i], a + i);
+          const __m512i dots = kChains == 1 ? dot[0] : _mm512_add_epi32(dot[0], dot[kChains - 1]);
+          sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dots, sc));
         }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header)));
+    constexpr int kPairs = kHalves ? 8 : 4;
+    __m512i pairs[kPairs];  // kScalesMin: the mins; kScales16: the scales
+    ENGINE_UNROLL
+    for (int q = 0; q < kPairs; ++q) pairs[q] = byte_pairs<kHalves>(sub_scales + (kHalves ? 0 : 128) + 32 * q);
+    const __m512 dmin =
+        kHalves ? d : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + 32)));
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const int16_t* row_sums = sums + r * per_row + b * 2 * kPairs;
+      __m512i shift = _mm512_setzero_si512();
+      ENGINE_UNROLL
+      for (int q = 0; q < kPairs; ++q) shift = pairs_broadcast(shift, pairs[q], row_sums + 2 * q);
+      const __m512 rd = _mm512_set1_ps(da[r * j.groups + b]);
+      if constexpr (kHalves) {
+        const __m512i centred = _mm512_sub_epi32(sum[r], _mm512_slli_epi32(shift, 5));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, rd), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, rd), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(shift), _mm512_mul_ps(dmin, rd), acc[r]);
       }
     }
   }
@@ -465,16 +498,36 @@ inline void load_half(const uint8_t* p, int half, __m256i w[8]) {
   }
 }
 
-// sum over registers First .. First + 3 of w . a (unsigned values up to 63 against int8 activations: a pair of
-// products stays under 2 * 63 * 127 in vpmaddubsw's 16 bits, and vpmaddwd widens each register's pairs at once).
+// sum over registers First .. First + 3 of w . a, each pair of products times `scale` (int16 pairs: a K-quant
+// sub-block's integer scale in both halves): unsigned values up to 63 against int8 activations keep a pair under
+// 2 * 63 * 127 in vpmaddubsw's 16 bits, and vpmaddwd widens each register's pairs at once.
 template <int First>
-inline __m256i quarter_dots(const __m256i w[8], const int32_t* a) {
-  const __m256i ones = _mm256_set1_epi16(1);
+inline __m256i quarter_dots(const __m256i w[8], const int32_t* a, __m256i scale) {
   __m256i dot = _mm256_setzero_si256();
   ENGINE_UNROLL
   for (int i = First; i < First + 4; ++i)
-    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], _mm256_set1_epi32(a[i])), ones));
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], _mm256_set1_epi32(a[i])), scale));
   return dot;
+}
+
+// The 8 columns' int16 pairs (v[2 p][c], v[2 p + 1][c]) of two rows of 16 bytes at p (half `half`'s 8 of each),
+// as the AVX-512 byte_pairs; and one row's 8 bytes in both halves of each lane (v[c] * 0x10001).
+template <bool Signed>
+inline __m256i bytes_epi32(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return Signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+
+template <bool Signed>
+inline __m256i byte_pairs(const uint8_t* p) {
+  const __m256i second = _mm256_slli_epi32(bytes_epi32<Signed>(p + 16), 16);
+  return _mm256_or_si256(second, _mm256_and_si256(bytes_epi32<Signed>(p), _mm256_set1_epi32(0xFFFF)));
+}
+
+template <bool Signed>
+inline __m256i doubled(const uint8_t* p) {
+  const __m256i v = _mm256_and_si256(bytes_epi32<Signed>(p), _mm256_set1_epi32(0xFFFF));
+  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
 }
 
 // Sub-block products of R rows against half `half` (8 columns) of one sub-block at p, added to dot[R] (int32).
@@ -533,54 +586,61 @@ inline void sub_dots(const uint8_t* p, int half, const int32_t* const* a, __m256
   }
 }
 
-// Half `half` (8 columns) of output rows t0 .. t0 + R - 1 of one tile of K-quant super-blocks: ktile_rows' arithmetic
-// in AVX2's 8 lanes.
+// Half `half` (8 columns) of output rows t0 .. t0 + R - 1 of one tile of K-quant super-blocks: ktile_rows'
+// arithmetic in AVX2's 8 lanes, the sub-block scales taken by vpmaddwd (in place of its ones) instead of vpmulld.
 template <int Bits, int Scales, int R>
 void ktile_half(const QuantJob& j, int64_t tile, int64_t t0, int64_t cols, const TileOut& o, int half) {
-  const int64_t blocks = j.k / kSub;
+  constexpr bool kHalves = Scales == kScales16;
+  constexpr int kPairs = kHalves ? 8 : 4;
+  const int64_t per_row = kHalves ? j.k / 16 : j.k / 32;
   const uint8_t* p = j.w + tile * j.groups * j.block_bytes;
   const int8_t* qa = j.a->q.data() + t0 * j.k;
-  const float *da = j.a->d.data() + t0 * blocks, *dasum = j.a->dasum.data() + t0 * blocks;
-  const int32_t* sum16 = j.a->sum16.data() + t0 * 2 * blocks;
+  const float* da = j.a->d.data() + t0 * j.groups;
+  const int16_t* sums = (kHalves ? j.a->sum16.data() : j.a->sum32.data()) + t0 * per_row;
   __m256 acc[R];
   ENGINE_UNROLL
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < j.groups; ++b) {
     const uint8_t* header = p;
     if (half == 0) prefetch_ahead<2>(header, kHeader + kSubScaleBytes, kKQuantLead);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16 * half)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 32 + 16 * half)));
     const uint8_t* sub_scales = header + kHeader + 8 * half;
     p += kHeader + kSubScaleBytes;
+    __m256i sum[R];
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
     for (int64_t s = 0; s < j.group / kSub; ++s, p += sub_bytes(Bits)) {
       if (half == 0) prefetch_ahead<2>(p, sub_bytes(Bits), kKQuantLead);
       __m256i w[8];
       load_half<Bits>(p, half, w);
-      const int64_t ab = b * (j.group / kSub) + s;
-      auto bytes = [](const uint8_t* at, bool is_signed) {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
-        return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-      };
+      const __m256i low_scale = doubled<kHalves>(sub_scales + (kHalves ? 32 * s : 16 * s));
+      const __m256i high_scale = kHalves ? doubled<true>(sub_scales + 32 * s + 16) : low_scale;
       ENGINE_UNROLL
       for (int r = 0; r < R; ++r) {
-        const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + ab * kSub);
-        const __m256i low = quarter_dots<0>(w, a), high = quarter_dots<4>(w, a);
-        const __m256 rd = _mm256_set1_ps(da[r * blocks + ab]);
-        if constexpr (Scales == kScalesMin) {
-          const __m256 scale = _mm256_mul_ps(d, bytes(sub_scales + 16 * s, false));
-          const __m256 minimum = _mm256_mul_ps(dmin, bytes(sub_scales + 128 + 16 * s, false));
-          acc[r] = _mm256_fnmadd_ps(minimum, _mm256_set1_ps(dasum[r * blocks + ab]), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(low, high)), _mm256_mul_ps(scale, rd), acc[r]);
-        } else {
-          const __m256i halves[2] = {low, high};
-          ENGINE_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            const __m256 scale = _mm256_mul_ps(d, bytes(sub_scales + 32 * s + 16 * h, true));
-            const __m256i centred =
-                _mm256_sub_epi32(halves[h], _mm256_set1_epi32(32 * sum16[r * 2 * blocks + 2 * ab + h]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, rd), acc[r]);
-          }
-        }
+        const int32_t* a = reinterpret_cast<const int32_t*>(qa + r * j.k + b * j.group + s * kSub);
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(quarter_dots<0>(w, a, low_scale),
+                                                           quarter_dots<4>(w, a, high_scale)));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 16 * half)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 32 + 16 * half)));
+    ENGINE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const int16_t* row_sums = sums + r * per_row + b * 2 * kPairs;
+      __m256i shift = _mm256_setzero_si256();
+      ENGINE_UNROLL
+      for (int q = 0; q < kPairs; ++q) {
+        int32_t pair;
+        std::memcpy(&pair, row_sums + 2 * q, sizeof pair);
+        const __m256i pairs = byte_pairs<kHalves>(sub_scales + (kHalves ? 0 : 128) + 32 * q);
+        shift = _mm256_add_epi32(shift, _mm256_madd_epi16(pairs, _mm256_set1_epi32(pair)));
+      }
+      const __m256 rd = _mm256_set1_ps(da[r * j.groups + b]);
+      if constexpr (kHalves) {
+        const __m256i centred = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(shift, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(d, rd), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, rd), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(shift), _mm256_mul_ps(dmin, rd), acc[r]);
       }
     }
   }
@@ -747,7 +807,6 @@ inline float dequantized(const uint8_t* block, int64_t bits, bool offsets, int64
 // Rows t0 .. t1 - 1 of a tile whose weights the vector tiles do not take here, in plain loops: every half block of
 // 16 values adds scale * da * (q . qa) + minimum * da * sum(qa), the formula of every format.
 inline void plain_any_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1, int64_t cols, const TileOut& o) {
-  const int64_t group = act_group(j.group, j.scales);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t c = 0; c < cols; ++c) {
       const uint8_t* p = j.w + tl * j.groups * j.block_bytes;
@@ -762,7 +821,7 @@ inline void plain_any_tile(const QuantJob& j, int64_t tl, int64_t t0, int64_t t1
             sum += qa;
           }
           const ValueScale v = value_scale(p, j.bits, j.offsets, j.scales, c, kk);
-          const float da = j.a->d[static_cast<size_t>(at / group)];
+          const float da = j.a->d[static_cast<size_t>(at / j.group)];
           acc = std::fma(static_cast<float>(dot), v.scale * da, acc);
           acc = std::fma(static_cast<float>(sum), v.minimum * da, acc);
         }
