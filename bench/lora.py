@@ -78,31 +78,28 @@ def write_adapter(out: Path, engine: Path, rank: int, seed: int) -> Path:
     return out
 
 
-def batch1(llms: dict, prompt: list[int], max_tokens: int, rounds: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    rates = {name: [] for name in llms}
+def in_turns(cases: dict, rounds: int, measure) -> dict:
+    """measure(*case) of every case, the cases in turns (order reversed every other round), `rounds` times."""
+    rates = {name: [] for name in cases}
     for r in range(rounds):
-        order = list(llms) if r % 2 == 0 else list(reversed(llms))
-        for name in order:
-            llm, adapter = llms[name]
-            with StepClock(llm) as clock:
-                llm.generate([prompt], params, lora=adapter)
-            rates[name].append(clock.decode_rate()["tok_s"])
+        for name in (list(cases) if r % 2 == 0 else list(reversed(cases))):
+            rates[name].append(measure(*cases[name]))
     return rates
 
 
-def streams(llms: dict, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    rates = {name: [] for name in llms}
-    for r in range(rounds):
-        order = list(llms) if r % 2 == 0 else list(reversed(llms))
-        for name in order:
-            llm, adapters = llms[name]
-            names = [adapters[i % len(adapters)] for i in range(len(prompts))] if adapters else None
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params, lora=names)
-            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
-    return rates
+def batch1_rate(llm: LLM, adapter: str | None, prompt: list[int], params: SamplingParams) -> float:
+    """Decode tok/s of one request (steps without its prefill)."""
+    with StepClock(llm) as clock:
+        llm.generate([prompt], params, lora=adapter)
+    return clock.decode_rate()["tok_s"]
+
+
+def streams_rate(llm: LLM, adapters: list[str] | None, prompts: list[list[int]], params: SamplingParams) -> float:
+    """Generated tokens / wall seconds of all prompts in one call, spread over `adapters` in turn."""
+    names = [adapters[i % len(adapters)] for i in range(len(prompts))] if adapters else None
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, lora=names)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -131,14 +128,15 @@ def main() -> None:
     table = Table(title=f"LoRA rank {args.rank} on {label}, {args.threads} threads (medians of {args.rounds})")
     for col in ("part", "base", "lora engine, no adapter", "lora engine, adapters", "adapters / base", "goal"):
         table.add_column(col)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     if "batch1" in args.parts:
-        r = batch1({"base": (base, None), "no_adapter": (adapted, None), "adapter": (adapted, "a0")},
-                   prompts[0], args.max_tokens, args.rounds)
+        r = in_turns({"base": (base, None), "no_adapter": (adapted, None), "adapter": (adapted, "a0")}, args.rounds,
+                     lambda llm, adapter: batch1_rate(llm, adapter, prompts[0], params))
         results["batch1_decode_tok_s"] = r
         _row(table, "batch 1 decode tok/s", r, "adapter", ">= 0.90")
     if "streams" in args.parts:
-        r = streams({"base": (base, None), "no_adapter": (adapted, None), "adapters": (adapted, list(adapters))},
-                    prompts, args.max_tokens, args.rounds)
+        r = in_turns({"base": (base, None), "no_adapter": (adapted, None), "adapters": (adapted, list(adapters))},
+                     args.rounds, lambda llm, names: streams_rate(llm, names, prompts, params))
         results["streams_tok_s"] = r
         _row(table, f"{args.streams} streams tok/s", r, "adapters", ">= 0.85")
     Console().print(table)

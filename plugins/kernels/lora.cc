@@ -8,12 +8,15 @@
 //   4 b       W [S, R, N]       per slot, the rows of B^T (scaled); block m's rows add only to its own columns
 // W is float (LoraAdd) or bfloat16 (LoraAddBf16: half the bytes a token streams, BuildConfig.lora_dtype).
 //   out       float [T, N]      y + (a[s_t] x_t) @ b[s_t]
-// Attribute: columns (ints, 2M): [start, stop) of each row block's output columns (q|k|v of a qkv projection).
+// Attribute: columns (ints, 2M): [start, stop) of each row block's output columns (q|k|v of a qkv projection),
+// consecutive and covering [0, N).
 //
-// Two passes on the kernels' threads: u[t, r] = a[s_t, r] . x_t (items: 4 tokens x 16 rows), then each output
-// item (4 tokens x 512 columns) copies y and adds u[t, r] * b[s_t, r] over its block's rows in order. Each token's
+// One pass on the kernels' threads, items of 4 tokens x up to 1024 columns of one row block: each copies y and adds
+// u[r] * b[s_t, r] over its block's rows in order, u = a[s_t] x_t over those rows. A decode's small nodes take one
+// hand-over to the threads (or none: a one-item node runs inline), which is most of their cost. Each token's
 // arithmetic depends on its own row alone, so a token gets the same floats in any batch (batched == single).
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -25,7 +28,7 @@ namespace engine_kernels {
 namespace {
 
 constexpr const char* kName = "LoraAdd";
-constexpr int64_t kTokens = 4, kRows = 16, kColumns = 512;
+constexpr int64_t kTokens = 4, kColumns = 1024, kMaxRank = 1024;
 
 struct Bf16 {
   uint16_t bits;
@@ -57,9 +60,9 @@ struct LoraJob {
   const float *x, *y;
   const W *a, *b;
   const int64_t* index;
-  float *out, *u;
-  const int64_t* columns;
-  int64_t tokens, k, n, r, slots, blocks, row_chunks, column_chunks;
+  float* out;
+  const std::array<int64_t, 3>* chunk_list;  // (row block, first column, end column) of each column chunk
+  int64_t tokens, k, n, r, blocks, chunks;
 };
 
 template <typename W>
@@ -93,38 +96,26 @@ inline void axpy(float u, const W* b, float* out, int64_t c0, int64_t c1) {
   for (; c < c1; ++c) out[c] += u * value(b[c]);
 }
 
+// One item: tokens [t0, t0 + 4) x columns [c0, c1) of one row block (module) m: y copied, then for each token of a
+// slot, u = a[s] x over m's rank rows and u @ b[s] over those columns. A module split over several items computes
+// its u in each (its A rows then come from the shared cache): one pass, one hand-over to the threads per node.
 template <typename W>
-void down_item(void* opaque, size_t i) {  // u for 4 tokens x 16 rows of A
+void item(void* opaque, size_t i) {
   const auto& j = *static_cast<const LoraJob<W>*>(opaque);
-  const int64_t t0 = static_cast<int64_t>(i) / j.row_chunks * kTokens, t1 = std::min(j.tokens, t0 + kTokens);
-  const int64_t r0 = static_cast<int64_t>(i) % j.row_chunks * kRows, r1 = std::min(j.r, r0 + kRows);
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t s = j.index[t];
-    if (s == 0) continue;
-    const W* a = j.a + s * j.r * j.k;
-    for (int64_t r = r0; r < r1; ++r) j.u[t * j.r + r] = dot(j.x + t * j.k, a + r * j.k, j.k);
-  }
-}
-
-template <typename W>
-void up_item(void* opaque, size_t i) {  // out for 4 tokens x 512 columns
-  const auto& j = *static_cast<const LoraJob<W>*>(opaque);
-  const int64_t t0 = static_cast<int64_t>(i) / j.column_chunks * kTokens, t1 = std::min(j.tokens, t0 + kTokens);
-  const int64_t c0 = static_cast<int64_t>(i) % j.column_chunks * kColumns, c1 = std::min(j.n, c0 + kColumns);
-  const int64_t rank = j.r / j.blocks;
+  const int64_t t0 = static_cast<int64_t>(i) / j.chunks * kTokens, t1 = std::min(j.tokens, t0 + kTokens);
+  const auto& chunk = j.chunk_list[static_cast<size_t>(i) % static_cast<size_t>(j.chunks)];
+  const int64_t m = chunk[0], c0 = chunk[1], c1 = chunk[2], rank = j.r / j.blocks;
+  float u[kMaxRank];
   for (int64_t t = t0; t < t1; ++t) {
     float* out = j.out + t * j.n;
     std::memcpy(out + c0, j.y + t * j.n + c0, static_cast<size_t>(c1 - c0) * sizeof(float));
     const int64_t s = j.index[t];
     if (s == 0) continue;
-    for (int64_t m = 0; m < j.blocks; ++m) {
-      const int64_t lo = std::max(c0, j.columns[2 * m]), hi = std::min(c1, j.columns[2 * m + 1]);
-      if (lo >= hi) continue;
-      for (int64_t r = m * rank; r < (m + 1) * rank; ++r) {
-        const float u = j.u[t * j.r + r];
-        if (u != 0) axpy(u, j.b + (s * j.r + r) * j.n, out, lo, hi);  // a zero-padded rank row adds nothing
-      }
-    }
+    const W* a = j.a + (s * j.r + m * rank) * j.k;
+    for (int64_t r = 0; r < rank; ++r) u[r] = dot(j.x + t * j.k, a + r * j.k, j.k);
+    const W* b = j.b + (s * j.r + m * rank) * j.n;
+    for (int64_t r = 0; r < rank; ++r)
+      if (u[r] != 0) axpy(u[r], b + r * j.n, out, c0, c1);   // a zero-padded rank row adds nothing
   }
 }
 
@@ -141,20 +132,26 @@ void compute(void* opaque, OrtKernelContext* context) {
   const int64_t slots = a.shape[0], r = a.shape[1], blocks = static_cast<int64_t>(kernel.columns.size()) / 2;
   require(b.shape == std::vector<int64_t>{slots, r, n}, kName, "b must be [S, R, N] with a's S and R");
   require(r % blocks == 0, kName, "a's R must be a whole number of rows per row block");
-  for (int64_t m = 0; m < blocks; ++m)
-    require(0 <= kernel.columns[2 * m] && kernel.columns[2 * m] <= kernel.columns[2 * m + 1] &&
-                kernel.columns[2 * m + 1] <= n, kName, "columns must lie within [0, N)");
+  require(r / blocks <= kMaxRank, kName, "a's rows per row block exceed 1024");
+  int64_t covered = 0;   // the row blocks' ranges follow each other and cover [0, N): every column is written
+  for (int64_t m = 0; m < blocks; ++m) {
+    require(kernel.columns[2 * m] == covered && covered <= kernel.columns[2 * m + 1], kName,
+            "columns must split [0, N) into consecutive ranges, one per row block");
+    covered = kernel.columns[2 * m + 1];
+  }
+  require(covered == n, kName, "columns must split [0, N) into consecutive ranges, one per row block");
   const auto* slot = static_cast<const int64_t*>(index.data);
   for (int64_t t = 0; t < tokens; ++t) require(0 <= slot[t] && slot[t] < slots, kName, "index out of [0, S)");
   float* out = output<float>(kernel.api, context, 0, {tokens, n});
-  thread_local std::vector<float> u;
-  u.assign(static_cast<size_t>(tokens * r), 0.0f);
+  thread_local std::vector<std::array<int64_t, 3>> chunk_list;
+  chunk_list.clear();
+  for (int64_t m = 0; m < blocks; ++m)
+    for (int64_t c = kernel.columns[2 * m]; c < kernel.columns[2 * m + 1]; c += kColumns)
+      chunk_list.push_back({m, c, std::min(c + kColumns, kernel.columns[2 * m + 1])});
+  const int64_t chunks = static_cast<int64_t>(chunk_list.size());
   LoraJob<W> job{static_cast<const float*>(x.data), static_cast<const float*>(y.data), static_cast<const W*>(a.data),
-                 static_cast<const W*>(b.data), slot, out, u.data(), kernel.columns.data(), tokens, k, n, r, slots,
-                 blocks, (r + kRows - 1) / kRows, (n + kColumns - 1) / kColumns};
-  const int64_t token_blocks = (tokens + kTokens - 1) / kTokens;
-  if (r > 0) parallel_for(kernel.api, context, static_cast<size_t>(token_blocks * job.row_chunks), down_item<W>, &job);
-  parallel_for(kernel.api, context, static_cast<size_t>(token_blocks * job.column_chunks), up_item<W>, &job);
+                 static_cast<const W*>(b.data), slot, out, chunk_list.data(), tokens, k, n, r, blocks, chunks};
+  parallel_for(kernel.api, context, static_cast<size_t>((tokens + kTokens - 1) / kTokens * chunks), item<W>, &job);
 }
 
 void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {

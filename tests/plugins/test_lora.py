@@ -66,6 +66,20 @@ def test_kernel_matches_numpy(tokens, pool):
     np.testing.assert_array_equal(out[no_adapter], f["y"][no_adapter])   # slot 0 tokens are copied exactly
 
 
+def test_kernel_splits_a_wide_module_over_column_chunks():
+    columns, n = [0, 2100, 2100, 2500], 2500      # 1024-column items: the first block takes three
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((3, 2 * RANK, K)).astype(np.float32)
+    b = rng.standard_normal((3, 2 * RANK, n)).astype(np.float32)
+    b[:, :RANK, 2100:] = b[:, RANK:, :2100] = 0
+    a[0] = b[0] = 0
+    f = {"y": rng.standard_normal((6, n)).astype(np.float32), "x": rng.standard_normal((6, K)).astype(np.float32),
+         "index": np.array([1, 2, 0, 2, 1, 1]), "a": a, "b": b}
+    out = run_op(lambda g, y, x, i, a_, b_: lora_add(g, y, x, i, a_, b_, columns=columns, name="/lora", kernel=True),
+                 f, pool=2)
+    assert_close(out, lora_add_numpy(*f.values(), columns), rtol=1e-4, atol=1e-4)
+
+
 def test_kernel_token_alone_equals_token_in_batch():
     f = feeds(np.random.default_rng(7), 23)
     batched = run(f, kernel=True, pool=2)
