@@ -1,5 +1,5 @@
 """`engine serve --ray`: the server as data-parallel replicas on Ray Serve (runtime/replicas/), one LLM each, behind
-one ingress that routes requests sharing a prompt prefix to the same replica.
+Ray's HTTP proxy; requests sharing a prompt prefix are served by the same replica.
 
     engine serve --engine-dir ENGINE --ray --replicas 2 --threads 8                 # a Ray cluster of this machine
     engine serve --engine-dir ENGINE --ray --ray-address auto --min-replicas 1 --max-replicas 4   # autoscaled

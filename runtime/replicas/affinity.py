@@ -12,8 +12,9 @@ while that replica is not overloaded; otherwise the least-loaded one.
             that every ingress sends a new prefix to the same replica
 
 Loads are requests in flight per replica, as the caller knows them. The ownership table is bounded (least recently
-used hashes are forgotten first) and is this process's: ingress replicas learn ownership independently, and agree
-on new prefixes through the rendezvous tie-break. Knows nothing of Ray (router.py adapts it).
+used hashes are forgotten first) and is this process's: each replica keeps one, and tells the others the hashes it
+takes (`taken`, then `learn` on theirs); two that take a hash at once both keep the smaller replica id, so the tables
+agree. Knows nothing of Ray (router.py and front.py use it).
 """
 from __future__ import annotations
 
@@ -50,9 +51,32 @@ class PrefixAffinity:
         the choice is recorded, so the next request with the same prefix finds its owner."""
         assert loads, "no replica to choose from"
         owner = self.owner(hashes, loads)
-        chosen = owner if owner is not None and self._within_bound(owner, loads) else self._least_loaded(hashes, loads)
-        self._record(hashes, chosen, loads)
+        chosen = owner if owner is not None and self.within_bound(owner, loads) else self.least_loaded(hashes, loads)
+        self.take(hashes, chosen, loads)
         return chosen
+
+    def take(self, hashes: tuple[int, ...], replica: str, live) -> tuple[int, ...]:
+        """Record that `replica` served these hashes: it owns those that no live replica owned. Returns those."""
+        taken = []
+        for h in hashes:
+            if self.owners.get(h) not in live:
+                self.owners[h] = replica
+                taken.append(h)
+            self.owners.move_to_end(h)
+        self._trim()
+        return tuple(taken)
+
+    def learn(self, hashes: tuple[int, ...], replica: str, live) -> None:
+        """Another replica took these hashes; where this table names a different live owner, the smaller id wins
+        here as it does there."""
+        for h in hashes:
+            current = self.owners.get(h)
+            self.owners[h] = replica if current not in live else min(current, replica)
+        self._trim()
+
+    def within_bound(self, replica: str, loads: dict[str, int]) -> bool:
+        mean = (sum(loads.values()) + 1) / len(loads)
+        return loads[replica] + 1 <= self.config.balance_factor * mean + self.config.slack
 
     def owner(self, hashes: tuple[int, ...], live) -> str | None:
         """The live replica owning the deepest of `hashes`, if that run is long enough to matter."""
@@ -67,12 +91,8 @@ class PrefixAffinity:
         for h in [h for h, r in self.owners.items() if r == replica]:
             del self.owners[h]
 
-    def _within_bound(self, replica: str, loads: dict[str, int]) -> bool:
-        mean = (sum(loads.values()) + 1) / len(loads)
-        return loads[replica] + 1 <= self.config.balance_factor * mean + self.config.slack
-
     @staticmethod
-    def _least_loaded(hashes: tuple[int, ...], loads: dict[str, int]) -> str:
+    def least_loaded(hashes: tuple[int, ...], loads: dict[str, int]) -> str:
         least = min(loads.values())
         tied = sorted(r for r, load in loads.items() if load == least)
         if not hashes:
@@ -80,10 +100,6 @@ class PrefixAffinity:
         key = hashes[0].to_bytes(8, "little")
         return max(tied, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
 
-    def _record(self, hashes: tuple[int, ...], chosen: str, live) -> None:
-        for h in hashes:
-            if self.owners.get(h) not in live:
-                self.owners[h] = chosen
-            self.owners.move_to_end(h)
+    def _trim(self) -> None:
         while len(self.owners) > self.config.max_entries:
             self.owners.popitem(last=False)

@@ -1,4 +1,4 @@
-"""The Ray Serve application: an Ingress deployment in front of N LLMReplica deployments.
+"""The Ray Serve application: N LLMReplica replicas, each the HTTP ingress (front.py) of its own server app.
 
     build_application(replica, cluster)   from the configs (`engine serve --ray` uses it, run.py)
     build_app(args)                       the builder for Ray's own tools, with the same settings as arguments:
@@ -6,9 +6,10 @@
     serve run engine.runtime.replicas.app:build_app engine_dir=/models/eng replicas=2 threads=8
     # or in a Serve config file / a KubeRay RayService:  import_path: engine.runtime.replicas.app:build_app
 
-Each replica reserves `threads` CPUs from Ray and runs at most its server's capacity (max batch size + max queue)
-of requests at once: Ray sends a replica no more than that and holds the rest while another replica frees a place;
-the ingress answers 429 beyond the capacity of all replicas (of max_replicas when autoscaling, on ongoing requests).
+Each replica reserves `threads` CPUs from Ray and admits its server's capacity (max batch size + max queue) of
+requests; Ray's proxy sends each request to the least-loaded replica, and a replica that is full answers 429 itself
+(at once, as `engine serve` does), so a client sees 429 once every replica is full. Ray sends a replica up to
+HEADROOM more than its capacity, the requests it refuses and those of /metrics and /health.
 The engine directory must be readable at the same path here and on every node that runs a replica (a shared volume,
 or a copy on each).
 """
@@ -27,34 +28,29 @@ from ..server.config import ServerConfig
 from ..speculative.config import SpeculativeConfig
 from .affinity import AffinityConfig
 from .config import ClusterConfig, EngineOptions, ReplicaConfig
-from .ingress import Ingress, IngressConfig
-from .replica import LLMReplica
+from .replica import LLMReplica, RoutingConfig
 from .router import PrefixAwareRouter
 
 APP_NAME = "engine"
-# Ray logs a line per request and deployment hop (three for each request here), which its log monitor then ships
+# Ray logs a line per request and deployment hop (two for each request here), which its log monitor then ships
 # to the driver: CPU on every request that `engine serve` does not spend (it runs uvicorn without an access log).
 NO_ACCESS_LOG = {"enable_access_log": False}
+HEADROOM = 64
 
 
 def build_application(replica: ReplicaConfig, cluster: ClusterConfig):
-    """The bound application (serve.run takes it): the ingress, holding a handle to the replicas."""
+    """The bound application (serve.run takes it): the replicas, each its own ingress."""
     server = replica.server
     build = load_engine_config(server.engine_dir).build         # a bad engine dir fails here, before any replica
     capacity = build.max_batch_size + server.max_queue
     replicas = serve.deployment(LLMReplica, name="LLMReplica").options(
         **_scaling(cluster, build.max_batch_size),
-        max_ongoing_requests=capacity,
+        max_ongoing_requests=capacity + HEADROOM,
         ray_actor_options={"num_cpus": replica.engine.threads},
         graceful_shutdown_timeout_s=server.shutdown_timeout,
         request_router_config=_router(cluster), logging_config=NO_ACCESS_LOG)
-    # Ray's own max_queued_requests is no bound here: it counts every request being routed, so a burst that the
-    # replicas have room for would be refused. The ingress counts requests in flight instead.
-    most = (cluster.max_replicas or cluster.replicas) * capacity
-    ingress = serve.deployment(Ingress, name="Ingress").options(   # room also for /health, /metrics and its 429s
-        num_replicas=1, max_ongoing_requests=max(2 * most, 1000), ray_actor_options={"num_cpus": 0},
-        logging_config=NO_ACCESS_LOG)
-    return ingress.bind(replicas.bind(replica), IngressConfig(server.max_body_bytes, server.retry_after_s, most))
+    forward = cluster.routing == "prefix" and (cluster.max_replicas or cluster.replicas) > 1
+    return replicas.bind(replica, RoutingConfig(forward, cluster.affinity))
 
 
 def _scaling(cluster: ClusterConfig, max_batch_size: int) -> dict:

@@ -1,5 +1,5 @@
 """One HTTP request, already read whole, through an ASGI app in this process, its response streamed back as
-messages: how a replica runs the server's own app (runtime/server/app.py) for a request the ingress forwarded.
+messages: how a replica runs the server's own app (runtime/server/app.py) for a request another replica forwarded.
 
     ForwardedRequest --> app(scope, receive, send) --> ResponseStart(status, headers), then body bytes, ...
 

@@ -1,4 +1,4 @@
-"""The ingress's /metrics: every replica's Prometheus text (runtime/server/metrics.py) as one exposition, each
+"""Each replica's /metrics: every replica's Prometheus text (runtime/server/metrics.py) as one exposition, each
 series labelled with the replica that reported it.
 
     replica a:  vllm:prefix_cache_hits_total{model_name="m"} 96.0

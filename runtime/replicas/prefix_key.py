@@ -6,9 +6,9 @@
 
 Two requests share h_i exactly when their first i+1 chunks are equal, as the engine's prefix cache shares a full
 block only when every block before it is equal too. The chunks are characters of the request as sent (the
-completion prompt, or the chat's tools and messages as JSON), not tokens: the ingress needs no tokenizer and no
+completion prompt, or the chat's tools and messages as JSON), not tokens: a replica's front needs no tokenizer and no
 engine directory, and equal leading text gives equal leading tokens but for a token cut at the chunk's edge.
-Knows nothing of Ray or of replicas; router.py and affinity.py use the hashes.
+Knows nothing of Ray or of replicas; front.py, peers.py and affinity.py use the hashes.
 """
 from __future__ import annotations
 

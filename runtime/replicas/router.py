@@ -1,15 +1,18 @@
-"""Ray Serve's request router for the engine's replicas: prefix affinity with bounded loads (affinity.py).
+"""Ray Serve's request router for the engine's replicas: least loaded, or a replica named by the caller while it
+is not overloaded (affinity.py's bound).
 
-It runs inside the ingress's process, in the deployment handle through which the ingress calls the replicas, and
-reads the `prefix` keyword of each call (prefix_key.py's hashes). Loads are the replicas' ongoing requests from
-Ray's queue-length cache (kept by Ray as requests are sent and finish, and refreshed from the replicas' own
-counts), probed when the cache has no entry, plus the replicas this router chose and Ray has not yet sent to: a
-burst of requests is routed before the first of them is sent, and would otherwise all see the same loads. It
-names one replica, then all of them: Ray sends the request to the named one unless it is at max_ongoing_requests,
-else to the least loaded of the rest.
+It runs in Ray's HTTP proxy, which sends each request to a replica (front.py), and in each replica, which forwards
+a request whose prompt prefix another replica owns to that one with `handle_http(request, prefer=owner)`. The proxy
+has not read the body when it routes, so it cannot see the prompt: it sends to the least-loaded replica and the
+replica forwards once when it is not the owner. Loads are the replicas' ongoing requests from Ray's queue-length
+cache (kept by Ray as requests are sent and finish, and refreshed from the replicas' own counts), probed when the
+cache has no entry, plus the replicas this router chose and Ray has not yet sent to: a burst of requests is routed
+before the first of them is sent, and would otherwise all see the same loads. It names one replica, then all of
+them: Ray sends the request to the named one unless it is at max_ongoing_requests, else to the least loaded of the
+rest.
 
 Why not Ray's PrefixCacheAffinityRouter: it matches characters in a prefix-tree actor, with two blocking actor
-calls per request on the ingress's event loop, and by default never lets load override the match.
+calls per request, and by default never lets load override the match; and in the proxy it has no prompt to match.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ UNSENT_TTL_S = 1.0     # a choice Ray has not acted on by then was dropped (a ca
 
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, **affinity):
-        """request_router_kwargs: AffinityConfig's fields."""
+        """request_router_kwargs: AffinityConfig's fields (its bound; the ownership table is the replicas')."""
         self.affinity = PrefixAffinity(AffinityConfig(**affinity))
         self.unsent: defaultdict[str, deque[float]] = defaultdict(deque)   # replica -> times it was chosen
 
@@ -34,13 +37,16 @@ class PrefixAwareRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        hashes = tuple(pending_request.kwargs.get("prefix", ())) if pending_request is not None else ()
+        prefer = pending_request.kwargs.get("prefer") if pending_request is not None else None
         loads = await self._loads(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         open_loads = {rid: load for rid, load in loads.items() if load < by_id[rid].max_ongoing_requests}
         if not open_loads:              # every replica is full: Ray backs off and asks again
             return [candidate_replicas]
-        chosen = self.affinity.choose(hashes, open_loads)
+        if prefer in open_loads and self.affinity.within_bound(prefer, open_loads):
+            chosen = prefer
+        else:
+            chosen = self.affinity.least_loaded((), open_loads)
         self.unsent[chosen].append(time.monotonic())
         return [[by_id[chosen]], candidate_replicas]
 
@@ -69,12 +75,10 @@ class PrefixAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
-        self.affinity.forget(replica_id.unique_id)
         self.unsent.pop(replica_id.unique_id, None)
 
     def update_replicas(self, replicas: List[RunningReplica]):
         gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
         for replica_id in gone:
-            self.affinity.forget(replica_id.unique_id)
             self.unsent.pop(replica_id.unique_id, None)

@@ -3,7 +3,8 @@ Ray's HTTP proxy and the official openai client.
 
     concurrent streams give the greedy text a single server gives, and use both replicas
     the API key, errors, and 429 once every replica is at its capacity and Ray's queue before them is full
-    requests that share a prompt prefix land on one replica, whose metrics count the prefix-cache hits
+    requests that share a prompt prefix land on one replica (forwarded there by the one Ray's proxy chose), whose
+    metrics count the prefix-cache hits
     a client that goes away frees its request on the replica
     a replica killed (SIGKILL) mid-stream fails only its own streams, at once; the rest finish; Ray restarts it
 The cluster is made once for the module (~15 s) and the kill test runs last.
@@ -29,6 +30,7 @@ from ray import serve  # noqa: E402
 from engine.runtime import LLM  # noqa: E402
 from engine.runtime.replicas.app import APP_NAME, build_application  # noqa: E402
 from engine.runtime.replicas.config import ClusterConfig, EngineOptions, ReplicaConfig  # noqa: E402
+from engine.runtime.replicas.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
 from engine.runtime.server.config import ServerConfig  # noqa: E402
 from tests.runtime.tiny_engine import build_tiny_engine  # noqa: E402
 from tests.server.conftest import RunningServer  # noqa: E402
@@ -51,6 +53,7 @@ def engine_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(engine_dir):
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)       # as run.py does: Ray's proxy inherits it
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}   # ray.init replaces them
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, log_to_driver=False)
     try:
@@ -137,8 +140,10 @@ def test_beyond_every_replicas_capacity_requests_get_429(cluster):
 def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(cluster):
     before = replica_metric(cluster, "vllm:prefix_cache_hits_total")
     c = client(cluster)
-    served = [stream_completion(c, f"{SYSTEM} Question {i}: where are the hinges?", max_tokens=4)[0]
-              for i in range(6)]
+    served = [stream_completion(c, f"{SYSTEM} Question 0: where are the hinges?", max_tokens=4)[0]]
+    time.sleep(0.5)     # the replica that took the prefix tells the others (peers.py), in well under this
+    served += [stream_completion(c, f"{SYSTEM} Question {i}: where are the hinges?", max_tokens=4)[0]
+               for i in range(1, 6)]
     assert len(set(served)) == 1, served
     after = replica_metric(cluster, "vllm:prefix_cache_hits_total")
     owner = served[0]
