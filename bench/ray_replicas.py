@@ -2,12 +2,16 @@
 
     .venv/bin/python -m bench.ray_replicas --engine-dir ENGINE [--streams 32] [--input-len 128] [--output-len 128]
         [--rounds 3] [--latency-requests 40] [--prefix-requests 96] [--prefix-concurrency 8] [--name NAME]
+        [--parts throughput,latency,prefix] [--baseline-tree DIR]
 
 throughput  `--streams` concurrent /v1/completions streams of random token ids (greedy, ignore_eos), total output
             tokens over each round's wall time: 2 replicas of --threads 1 on Ray against one `engine serve
             --threads 2`; goal: ratio >= 0.9 (median of the rounds)
 latency     one request at a time, a 1-token completion of a short prompt: the wall time of each through 1 replica
-            of --threads 2 on Ray against `engine serve --threads 2`; goal: the P50 difference <= 5 ms
+            of --threads 2 on Ray against `engine serve --threads 2`, both running, requests to them in turns;
+            goal: the P50 difference <= 5 ms. --baseline-tree DIR (a checkout of another commit, in a folder named
+            `engine`, e.g. `git worktree add /tmp/ab/engine e73b5ec`) measures that tree's `engine serve --ray` the
+            same way after, against a plain server again
 prefix      8 system prompts of ~300 tokens, each user turn short and new, chat streams at --prefix-concurrency
             over 2 replicas whose KV pools hold about half of the system prompts each: the prefix-cache hit rate
             (hits / queried tokens, from the replicas' metrics) with --routing prefix against Ray's default
@@ -45,13 +49,16 @@ GOALS = {"throughput_ratio": 0.9, "added_latency_p50_ms": 5.0, "prefix_hit_ratio
 
 
 def start_ray_server(engine_dir: Path, *, replicas: int, threads: int, max_kv_tokens: int,
-                     routing: str = "prefix") -> tuple[subprocess.Popen, str]:
-    """`engine serve --ray` on a free port; (the process, its URL) once every replica answers."""
+                     routing: str = "prefix", tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`engine serve --ray` on a free port (of the package at `tree`, else this one); (the process, its URL) once
+    every replica answers."""
     port = _free_port()
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--engine-dir", str(engine_dir), "--ray", "--port",
            str(port), "--served-model-name", MODEL, "--replicas", str(replicas), "--threads", str(threads),
            "--max-kv-tokens", str(max_kv_tokens), "--routing", routing, "--log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if k != "ENGINE_API_KEY"}
+    if tree is not None:     # ahead of the editable install; Ray's workers inherit it
+        env["PYTHONPATH"] = str(tree.resolve().parent)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     try:
@@ -96,18 +103,44 @@ def throughput_round(start, warm: list[list[int]], prompts: list[list[int]], out
 
 # ---- latency ---------------------------------------------------------------------------------------------------
 
-def latencies(url: str, n: int) -> list[float]:
-    """Milliseconds of each of n one-at-a-time requests for one token (after 5 untimed ones)."""
-    out = []
-    with httpx.Client(base_url=url, timeout=60) as c:
+def latencies(urls: list[str], n: int) -> list[list[float]]:
+    """Milliseconds of n one-at-a-time requests for one token to each URL, the URLs in turns (after 5 untimed
+    requests to each), so that the host's other load falls on all alike."""
+    out = [[] for _ in urls]
+    clients = [httpx.Client(base_url=url, timeout=60) for url in urls]
+    try:
         for i in range(n + 5):
-            start = time.perf_counter()
-            r = c.post("/v1/completions", json={"model": MODEL, "prompt": f"Say {i}", "max_tokens": 1,
-                                                "temperature": 0})
-            r.raise_for_status()
-            if i >= 5:
-                out.append((time.perf_counter() - start) * 1000)
+            for client, times in zip(clients, out):
+                start = time.perf_counter()
+                r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"Say {i}", "max_tokens": 1,
+                                                         "temperature": 0})
+                r.raise_for_status()
+                if i >= 5:
+                    times.append((time.perf_counter() - start) * 1000)
+    finally:
+        for client in clients:
+            client.close()
     return out
+
+
+def latency_against_plain(args, max_kv: int, tree: Path | None = None) -> dict:
+    """A plain server and 1 replica on Ray (of `tree`'s package, else this one), both up, requests in turns."""
+    plain, plain_url = start_server(args.engine_dir, max_kv, 2)
+    try:
+        proc, url = start_ray_server(args.engine_dir, replicas=1, threads=2, max_kv_tokens=max_kv, tree=tree)
+        try:
+            load = os.getloadavg()[0]
+            direct_ms, ray_ms = latencies([plain_url, url], args.latency_requests)
+            load = (load + os.getloadavg()[0]) / 2
+        finally:
+            stop(proc)
+    finally:
+        stop(plain)
+    d, r = statistics.median(direct_ms), statistics.median(ray_ms)
+    print(f"1-token latency P50 ({tree or 'this tree'}, load {load:.1f}): plain {d:.1f}, 1 replica x 2 threads "
+          f"{r:.1f} ms", file=sys.stderr)
+    return {"direct_ms": direct_ms, "ray_ms": ray_ms, "direct_p50_ms": d, "ray_p50_ms": r, "added_p50_ms": r - d,
+            "load_avg_1min": load}
 
 
 # ---- prefix-cache hit rate -------------------------------------------------------------------------------------
@@ -167,6 +200,8 @@ def main() -> None:
     ap.add_argument("--prefix-kv-tokens", type=int, default=1536,
                     help="each replica's KV pool in the prefix part: about half of the 8 system prompts")
     ap.add_argument("--name")
+    ap.add_argument("--parts", default="throughput,latency,prefix")
+    ap.add_argument("--baseline-tree", type=Path)
     args = ap.parse_args()
     from engine.runtime.engine_dir import load_engine_config
     build = load_engine_config(args.engine_dir).build
@@ -179,6 +214,23 @@ def main() -> None:
     result = {"config": vars(args) | {"engine_dir": str(args.engine_dir)}, "machine": platform.processor(),
               "cpus": os.cpu_count(), "goals": GOALS}
 
+    parts = set(args.parts.split(","))
+    if "throughput" in parts:
+        result["throughput"] = throughput_part(args, rounds, warm, max_kv)
+    if "latency" in parts:
+        result["latency"] = latency_against_plain(args, max_kv)
+        if args.baseline_tree is not None:
+            result["latency_baseline"] = latency_against_plain(args, max_kv, args.baseline_tree) | {
+                "tree": str(args.baseline_tree)}
+    if "prefix" in parts:
+        result["prefix"] = prefix_part(args)
+    report(result)
+    out = Path(__file__).parent / "results" / (f"ray_replicas_{args.name}.json" if args.name else "ray_replicas.json")
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def throughput_part(args, rounds, warm, max_kv: int) -> dict:
     direct_tok_s, ray_tok_s = [], []
     for prompts in rounds:     # alternating, each on a fresh server: the host's other load hits both alike
         direct_tok_s.append(throughput_round(lambda: start_server(args.engine_dir, max_kv, 2), warm, prompts,
@@ -187,29 +239,9 @@ def main() -> None:
                                                                    max_kv_tokens=max_kv), warm, prompts,
                                           args.output_len))
         print(f"round: plain {direct_tok_s[-1]:.1f}, 2 replicas x 1 thread {ray_tok_s[-1]:.1f} tok/s", file=sys.stderr)
-    proc, url = start_server(args.engine_dir, max_kv, 2)
-    try:
-        direct_ms = latencies(url, args.latency_requests)
-    finally:
-        stop(proc)
-    proc, url = start_ray_server(args.engine_dir, replicas=1, threads=2, max_kv_tokens=max_kv)
-    try:
-        ray_ms = latencies(url, args.latency_requests)
-    finally:
-        stop(proc)
-    print(f"1-token latency P50: plain {statistics.median(direct_ms):.1f}, 1 replica x 2 threads "
-          f"{statistics.median(ray_ms):.1f} ms", file=sys.stderr)
     ratios = [r / d for r, d in zip(ray_tok_s, direct_tok_s)]
-    result["throughput"] = {"direct_tok_s": direct_tok_s, "ray_tok_s": ray_tok_s, "ratios": ratios,
-                            "ratio": statistics.median(ratios)}
-    result["latency"] = {"direct_ms": direct_ms, "ray_ms": ray_ms, "direct_p50_ms": statistics.median(direct_ms),
-                         "ray_p50_ms": statistics.median(ray_ms),
-                         "added_p50_ms": statistics.median(ray_ms) - statistics.median(direct_ms)}
-    result["prefix"] = prefix_part(args)
-    report(result)
-    out = Path(__file__).parent / "results" / (f"ray_replicas_{args.name}.json" if args.name else "ray_replicas.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    return {"direct_tok_s": direct_tok_s, "ray_tok_s": ray_tok_s, "ratios": ratios,
+            "ratio": statistics.median(ratios)}
 
 
 def prefix_part(args) -> dict:
@@ -229,7 +261,6 @@ def prefix_part(args) -> dict:
 
 
 def report(r: dict) -> None:
-    t, lat, p = r["throughput"], r["latency"], r["prefix"]
     c = r["config"]
 
     def verdict(ok: bool) -> str:
@@ -237,15 +268,23 @@ def report(r: dict) -> None:
     print(f"\n{c['streams']} streams x ({c['input_len']} in, {c['output_len']} out), {c['rounds']} rounds; "
           f"{r['cpus']} CPUs")
     print("| goal | baseline | --ray | measured | goal | |\n|---|---:|---:|---:|---:|---|")
-    print(f"| throughput, 2 replicas x 1 thread vs 1 server x 2 threads (tok/s, median) | "
-          f"{statistics.median(t['direct_tok_s']):.1f} | {statistics.median(t['ray_tok_s']):.1f} | "
-          f"{t['ratio']:.2f}x | >= {GOALS['throughput_ratio']}x | {verdict(t['ratio'] >= GOALS['throughput_ratio'])} |")
-    print(f"| latency of a 1-token request, P50 (ms) | {lat['direct_p50_ms']:.1f} | {lat['ray_p50_ms']:.1f} | "
-          f"+{lat['added_p50_ms']:.1f} ms | <= {GOALS['added_latency_p50_ms']} ms | "
-          f"{verdict(lat['added_p50_ms'] <= GOALS['added_latency_p50_ms'])} |")
-    print(f"| prefix-cache hit rate, prefix routing vs power-of-two | {p['power-of-two']['hit_rate']:.3f} | "
-          f"{p['prefix']['hit_rate']:.3f} | {p['ratio']:.2f}x | >= {GOALS['prefix_hit_ratio']}x | "
-          f"{verdict(p['ratio'] >= GOALS['prefix_hit_ratio'])} |")
+    if "throughput" in r:
+        t = r["throughput"]
+        print(f"| throughput, 2 replicas x 1 thread vs 1 server x 2 threads (tok/s, median) | "
+              f"{statistics.median(t['direct_tok_s']):.1f} | {statistics.median(t['ray_tok_s']):.1f} | "
+              f"{t['ratio']:.2f}x | >= {GOALS['throughput_ratio']}x | "
+              f"{verdict(t['ratio'] >= GOALS['throughput_ratio'])} |")
+    for key, what in (("latency", "this tree"), ("latency_baseline", "--baseline-tree")):
+        if key in r:
+            lat = r[key]
+            print(f"| latency of a 1-token request, P50 (ms), {what}, load {lat['load_avg_1min']:.1f} | "
+                  f"{lat['direct_p50_ms']:.1f} | {lat['ray_p50_ms']:.1f} | +{lat['added_p50_ms']:.1f} ms | "
+                  f"<= {GOALS['added_latency_p50_ms']} ms | {verdict(lat['added_p50_ms'] <= GOALS['added_latency_p50_ms'])} |")
+    if "prefix" in r:
+        p = r["prefix"]
+        print(f"| prefix-cache hit rate, prefix routing vs power-of-two | {p['power-of-two']['hit_rate']:.3f} | "
+              f"{p['prefix']['hit_rate']:.3f} | {p['ratio']:.2f}x | >= {GOALS['prefix_hit_ratio']}x | "
+              f"{verdict(p['ratio'] >= GOALS['prefix_hit_ratio'])} |")
 
 
 def _free_port() -> int:

@@ -69,3 +69,22 @@ def test_bad_settings_are_usage_errors():
         AffinityConfig(balance_factor=0.5)
     with pytest.raises(EngineError, match="min_match"):
         AffinityConfig(min_match=2)
+
+
+def test_two_replicas_that_take_a_prefix_at_once_agree_on_the_smaller_id():
+    """Each replica's table (peers.py): both took P1 before hearing of the other; told, both keep r1."""
+    live = {"r1", "r2"}
+    tables = {r: PrefixAffinity() for r in live}
+    told = {r: table.take(P1, r, live) for r, table in tables.items()}
+    assert told == {"r1": P1, "r2": P1}
+    tables["r1"].learn(told["r2"], "r2", live)
+    tables["r2"].learn(told["r1"], "r1", live)
+    assert {table.owner(P1, live) for table in tables.values()} == {"r1"}
+    assert tables["r2"].take(P1 + (15,), "r2", live) == (15,)     # only the new hash is r2's to tell
+
+
+def test_a_dead_owners_prefix_is_taken_by_the_next_replica_that_serves_it():
+    a = PrefixAffinity()
+    a.take(P1, "r1", {"r1", "r2"})
+    assert a.owner(P1, {"r2"}) is None
+    assert a.take(P1, "r2", {"r2"}) == P1 and a.owner(P1, {"r2"}) == "r2"
