@@ -11,10 +11,11 @@
 // Attribute: columns (ints, 2M): [start, stop) of each row block's output columns (q|k|v of a qkv projection),
 // consecutive and covering [0, N).
 //
-// One pass on the kernels' threads, items of 4 tokens x up to 1024 columns of one row block: each copies y and adds
-// u[r] * b[s_t, r] over its block's rows in order, u = a[s_t] x_t over those rows. A decode's small nodes take one
-// hand-over to the threads (or none: a one-item node runs inline), which is most of their cost. Each token's
-// arithmetic depends on its own row alone, so a token gets the same floats in any batch (batched == single).
+// One pass on the kernels' threads. The tokens are grouped by slot (up to 4 of one slot a group), and an item is a
+// group x up to 1024 columns of one row block: it copies y and adds u[r] * b[s, r] over the block's rows in order,
+// u = a[s] x over those rows, each A and B row loaded once for the group. A decode's small nodes take one hand-over
+// to the threads (or none: a one-item node runs inline), which is most of their cost. Each token's arithmetic
+// depends on its own row alone, so a token gets the same floats in any batch (batched == single).
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -43,6 +44,12 @@ inline float value(Bf16 w) {
 }
 
 #ifdef ENGINE_KERNELS_AVX2
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const Bf16* w) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -59,63 +66,120 @@ template <typename W>
 struct LoraJob {
   const float *x, *y;
   const W *a, *b;
-  const int64_t* index;
-  float* out;
+  const int64_t *index, *order;              // order: the tokens sorted by slot
+  const std::array<int64_t, 2>* groups;      // [first, end) in `order` of up to kTokens tokens of one slot
   const std::array<int64_t, 3>* chunk_list;  // (row block, first column, end column) of each column chunk
-  int64_t tokens, k, n, r, blocks, chunks;
+  float* out;
+  int64_t k, n, r, blocks, chunks;
 };
 
-template <typename W>
-inline float dot(const float* x, const W* w, int64_t k) {
-  int64_t i = 0;
-  float sum = 0;
+// u[t * rank + r] = a[r] . x_t for the group's N tokens, each A row loaded once for all of them. A token's sum is
+// two 8-lane chains (even and odd 8-column steps) added at the end, whatever N: its floats do not depend on the
+// tokens beside it.
+template <int N, typename W>
+void group_dots(const float* const* xs, const W* a, int64_t rank, int64_t k, float* u) {
+  for (int64_t r = 0; r < rank; ++r) {
+    const W* w = a + r * k;
+    int64_t i = 0;
+    float sums[N] = {};
 #ifdef ENGINE_KERNELS_AVX2
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (; i + 32 <= k; i += 32)
+    __m256 acc[N][2];
     ENGINE_UNROLL
-    for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * v), load8(w + i + 8 * v), acc[v]);
-  for (; i + 8 <= k; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8(w + i), acc[0]);
-  const __m256 s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  sum = _mm_cvtss_f32(h);
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+      const __m256 w0 = load8(w + i), w1 = load8(w + i + 8);
+      ENGINE_UNROLL
+      for (int t = 0; t < N; ++t) {
+        acc[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[t] + i), w0, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[t] + i + 8), w1, acc[t][1]);
+      }
+    }
+    if (i + 8 <= k) {
+      const __m256 w0 = load8(w + i);
+      ENGINE_UNROLL
+      for (int t = 0; t < N; ++t) acc[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[t] + i), w0, acc[t][0]);
+      i += 8;
+    }
+    ENGINE_UNROLL
+    for (int t = 0; t < N; ++t) sums[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
 #endif
-  for (; i < k; ++i) sum += x[i] * value(w[i]);
-  return sum;
+    for (int t = 0; t < N; ++t) {
+      float sum = sums[t];
+      for (int64_t e = i; e < k; ++e) sum += xs[t][e] * value(w[e]);
+      u[t * rank + r] = sum;
+    }
+  }
 }
 
-// out[c0, c1) += u * b[c0, c1)
-template <typename W>
-inline void axpy(float u, const W* b, float* out, int64_t c0, int64_t c1) {
+// outs[t][c0, c1) = ys[t][c0, c1) + sum over r of u[t * rank + r] * b[r][c0, c1), r in order; each b row loaded once
+// for the group's N tokens. Rows that are zero for every token (a lower rank's padding) are skipped.
+template <int N, typename W>
+void group_adds(const float* u, int64_t rank, const W* b, int64_t n, const float* const* ys, float* const* outs,
+                int64_t c0, int64_t c1) {
+  bool live[kMaxRank];
+  for (int64_t r = 0; r < rank; ++r) {
+    live[r] = false;
+    for (int t = 0; t < N; ++t) live[r] = live[r] || u[t * rank + r] != 0;
+  }
   int64_t c = c0;
 #ifdef ENGINE_KERNELS_AVX2
-  const __m256 s = _mm256_set1_ps(u);
-  for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(out + c, _mm256_fmadd_ps(s, load8(b + c), _mm256_loadu_ps(out + c)));
+  for (; c + 8 <= c1; c += 8) {
+    __m256 acc[N];
+    ENGINE_UNROLL
+    for (int t = 0; t < N; ++t) acc[t] = _mm256_loadu_ps(ys[t] + c);
+    for (int64_t r = 0; r < rank; ++r) {
+      if (!live[r]) continue;
+      const __m256 bv = load8(b + r * n + c);
+      ENGINE_UNROLL
+      for (int t = 0; t < N; ++t) acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(u[t * rank + r]), bv, acc[t]);
+    }
+    ENGINE_UNROLL
+    for (int t = 0; t < N; ++t) _mm256_storeu_ps(outs[t] + c, acc[t]);
+  }
 #endif
-  for (; c < c1; ++c) out[c] += u * value(b[c]);
+  for (; c < c1; ++c)
+    for (int t = 0; t < N; ++t) {
+      float o = ys[t][c];
+      for (int64_t r = 0; r < rank; ++r)
+        if (live[r]) o += u[t * rank + r] * value(b[r * n + c]);
+      outs[t][c] = o;
+    }
 }
 
-// One item: tokens [t0, t0 + 4) x columns [c0, c1) of one row block (module) m: y copied, then for each token of a
-// slot, u = a[s] x over m's rank rows and u @ b[s] over those columns. A module split over several items computes
-// its u in each (its A rows then come from the shared cache): one pass, one hand-over to the threads per node.
+template <int N, typename W>
+void group(const LoraJob<W>& j, const int64_t* tokens, int64_t m, int64_t c0, int64_t c1) {
+  const int64_t rank = j.r / j.blocks, s = j.index[tokens[0]];
+  const float* xs[N];
+  const float* ys[N];
+  float* outs[N];
+  for (int t = 0; t < N; ++t) {
+    xs[t] = j.x + tokens[t] * j.k;
+    ys[t] = j.y + tokens[t] * j.n;
+    outs[t] = j.out + tokens[t] * j.n;
+  }
+  if (s == 0) {   // no adapter: the projection's output as it is
+    for (int t = 0; t < N; ++t) std::memcpy(outs[t] + c0, ys[t] + c0, static_cast<size_t>(c1 - c0) * sizeof(float));
+    return;
+  }
+  float u[N * kMaxRank];
+  group_dots<N>(xs, j.a + (s * j.r + m * rank) * j.k, rank, j.k, u);
+  group_adds<N>(u, rank, j.b + (s * j.r + m * rank) * j.n, j.n, ys, outs, c0, c1);
+}
+
+// One item: a group of same-slot tokens x one column chunk of one row block (module) m. A module split over several
+// chunks computes its u in each (its A rows then come from the shared cache): one pass, one hand-over to the
+// threads per node, none for a one-item node.
 template <typename W>
 void item(void* opaque, size_t i) {
   const auto& j = *static_cast<const LoraJob<W>*>(opaque);
-  const int64_t t0 = static_cast<int64_t>(i) / j.chunks * kTokens, t1 = std::min(j.tokens, t0 + kTokens);
-  const auto& chunk = j.chunk_list[static_cast<size_t>(i) % static_cast<size_t>(j.chunks)];
-  const int64_t m = chunk[0], c0 = chunk[1], c1 = chunk[2], rank = j.r / j.blocks;
-  float u[kMaxRank];
-  for (int64_t t = t0; t < t1; ++t) {
-    float* out = j.out + t * j.n;
-    std::memcpy(out + c0, j.y + t * j.n + c0, static_cast<size_t>(c1 - c0) * sizeof(float));
-    const int64_t s = j.index[t];
-    if (s == 0) continue;
-    const W* a = j.a + (s * j.r + m * rank) * j.k;
-    for (int64_t r = 0; r < rank; ++r) u[r] = dot(j.x + t * j.k, a + r * j.k, j.k);
-    const W* b = j.b + (s * j.r + m * rank) * j.n;
-    for (int64_t r = 0; r < rank; ++r)
-      if (u[r] != 0) axpy(u[r], b + r * j.n, out, c0, c1);   // a zero-padded rank row adds nothing
+  const auto& g = j.groups[i / static_cast<size_t>(j.chunks)];
+  const auto& chunk = j.chunk_list[i % static_cast<size_t>(j.chunks)];
+  const int64_t* tokens = j.order + g[0];
+  switch (g[1] - g[0]) {
+    case 4: group<4>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
+    case 3: group<3>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
+    case 2: group<2>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
+    default: group<1>(j, tokens, chunk[0], chunk[1], chunk[2]);
   }
 }
 
@@ -143,6 +207,18 @@ void compute(void* opaque, OrtKernelContext* context) {
   const auto* slot = static_cast<const int64_t*>(index.data);
   for (int64_t t = 0; t < tokens; ++t) require(0 <= slot[t] && slot[t] < slots, kName, "index out of [0, S)");
   float* out = output<float>(kernel.api, context, 0, {tokens, n});
+  thread_local std::vector<int64_t> order;
+  thread_local std::vector<std::array<int64_t, 2>> groups;
+  order.resize(static_cast<size_t>(tokens));
+  for (int64_t t = 0; t < tokens; ++t) order[static_cast<size_t>(t)] = t;
+  std::stable_sort(order.begin(), order.end(), [slot](int64_t p, int64_t q) { return slot[p] < slot[q]; });
+  groups.clear();
+  for (int64_t first = 0; first < tokens;) {
+    int64_t end = first + 1;
+    while (end < tokens && end - first < kTokens && slot[order[end]] == slot[order[first]]) ++end;
+    groups.push_back({first, end});
+    first = end;
+  }
   thread_local std::vector<std::array<int64_t, 3>> chunk_list;
   chunk_list.clear();
   for (int64_t m = 0; m < blocks; ++m)
@@ -150,8 +226,9 @@ void compute(void* opaque, OrtKernelContext* context) {
       chunk_list.push_back({m, c, std::min(c + kColumns, kernel.columns[2 * m + 1])});
   const int64_t chunks = static_cast<int64_t>(chunk_list.size());
   LoraJob<W> job{static_cast<const float*>(x.data), static_cast<const float*>(y.data), static_cast<const W*>(a.data),
-                 static_cast<const W*>(b.data), slot, out, chunk_list.data(), tokens, k, n, r, blocks, chunks};
-  parallel_for(kernel.api, context, static_cast<size_t>((tokens + kTokens - 1) / kTokens * chunks), item<W>, &job);
+                 static_cast<const W*>(b.data), slot, order.data(), groups.data(), chunk_list.data(), out, k, n, r,
+                 blocks, chunks};
+  parallel_for(kernel.api, context, groups.size() * static_cast<size_t>(chunks), item<W>, &job);
 }
 
 void* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info) {
