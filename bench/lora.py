@@ -33,14 +33,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.real_models import DEFAULT_CACHE, gguf
-from engine.core import lora
 from engine.runtime import LLM, SamplingParams
-from engine.runtime.engine_dir import load_engine_config
+from tests.lora_models import write_random_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
-PEFT_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def engines(model: str, dtype: str, cache: Path) -> tuple[Path, Path]:
@@ -56,28 +53,6 @@ def engines(model: str, dtype: str, cache: Path) -> tuple[Path, Path]:
             subprocess.run([*engine, "build", "--checkpoint-dir", str(ckpt), "--output-dir", str(out), "--dtype",
                             dtype, "--eval-tokens", "0", "--force", *extra], check=True)
     return base, adapted
-
-
-def write_adapter(out: Path, engine: Path, rank: int, seed: int) -> Path:
-    """A PEFT adapter directory of rank `rank` on every projection of the engine's model (random weights)."""
-    from safetensors.numpy import save_file
-    if (out / "adapter_model.safetensors").is_file():
-        return out
-    model = load_engine_config(engine).model
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for i in range(model.num_layers):
-        for module, parent in PEFT_NAMES.items():
-            k = lora.group_shape(model, lora.MODULE_GROUP[module])[0]
-            c0, c1 = lora.module_columns(model, module)
-            stem = f"base_model.model.model.layers.{i}.{parent}.{module}"
-            tensors[f"{stem}.lora_A.weight"] = (rng.standard_normal((rank, k)) / np.sqrt(k)).astype(np.float32)
-            tensors[f"{stem}.lora_B.weight"] = (rng.standard_normal((c1 - c0, rank)) * 0.01).astype(np.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                         "target_modules": list(PEFT_NAMES)}))
-    return out
 
 
 def paired_steps(cases: dict, prompts: list[list[int]], params: SamplingParams, repeats: int) -> dict:
@@ -126,7 +101,7 @@ def main() -> None:
     args = ap.parse_args()
     label = f"{args.model}-{args.dtype}"
     base_dir, lora_dir = engines(args.model, args.dtype, args.cache)
-    adapters = {f"a{s}": write_adapter(args.cache / "lora" / f"{label}-r{args.rank}-{s}", lora_dir, args.rank, s)
+    adapters = {f"a{s}": write_random_adapter(args.cache / "lora" / f"{label}-r{args.rank}-{s}", lora_dir, args.rank, s)
                 for s in range(4)}
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 20000, 64).tolist() for _ in range(args.streams)]

@@ -25,10 +25,12 @@ import numpy as np
 
 from engine.core.engine_format import LOGITS, LOGITS_INDICES, engine_file, kcache_name, vcache_name
 from engine.core.errors import EngineError
+from engine.core.lora import LORA_INDEX
 from engine.core.parallel import kv_heads_per_rank
 
 from .engine_dir import load_engine_config, verifying_files
-from .session import engine_session_options, kv_pool_dtype, load_ort_session
+from .lora.slots import LoraSlots
+from .session import engine_session_options, kv_pool_dtype, load_ort_session, shared_value
 from .step_inputs import SeqChunk, make_step_inputs
 
 
@@ -75,6 +77,9 @@ class ScoringSession:
         with verifying_files(engine_dir, config):  # hashes every file while ORT loads the graph
             self._session = load_ort_session(engine_dir / engine_file(0), engine_session_options(config, threads))
         self._inputs = {i.name for i in self._session.get_inputs()}
+        if LORA_INDEX in self._inputs:   # an engine built for LoRA adapters scores its base model: one zero slot
+            slots = LoraSlots(model, config.build.lora_target_modules, 1, 1, config.build.lora_dtype)
+            self._pools |= {name: shared_value(a) for name, a in slots.inputs().items()}
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab_size] float32 of every position of `ids`, read as a new sequence."""
@@ -86,6 +91,7 @@ class ScoringSession:
         inputs = make_step_inputs([SeqChunk(list(ids), 0, list(range(self._blocks)), True)], self._tpb,
                                   self._sliding)
         inputs[LOGITS_INDICES] = np.arange(len(ids), dtype=np.int64)
+        inputs[LORA_INDEX] = np.zeros(len(ids), dtype=np.int64)
         feeds = {k: v for k, v in inputs.items() if k in self._inputs} | self._pools
         return self._session.run([LOGITS], feeds)[0][:, :vocab]
 

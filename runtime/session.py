@@ -6,11 +6,14 @@
               or int8 for --kv-cache-dtype int8: the graph quantizes and dequantizes), allocated once
               each bound with IOBinding as both the graph input and its aliased output kcache_out.{i}, so
               ORT's ScatterND writes the step's K/V into the pool in place (no copy of the pool per step)
+        LoRA (an engine built with --lora-target-modules): the adapters' slots (runtime/lora/slots.py) bound once
+              the same way (bind_lora); each step binds lora_index, every token's slot (SeqChunk.lora_slot)
     run(chunks) -> logits [rows of logits wanted, vocab_size]; ORT writes them into one buffer allocated here
-                   [max_batch_size, vocab_padded] (grown when speculation asks for more rows) (no per-step output allocation, no wrapping of the 61 bound
-                   outputs that IOBinding.get_outputs() does); run returns a copy of the rows it filled, or
-                   with copy=False a view of them that the next run overwrites (the engine core samples from it
-                   before its next step: a [32, 49152] copy was ~0.3 ms of a 16 ms step, bench/NOTES.md entry 44)
+                   [max_batch_size, vocab_padded] (grown when speculation asks for more rows): no per-step output
+                   allocation, no wrapping of the 61 bound outputs that IOBinding.get_outputs() does; run returns a
+                   copy of the rows it filled, or with copy=False a view of them that the next run overwrites (the
+                   engine core samples from it before its next step: a [32, 49152] copy was ~0.3 ms of a 16 ms
+                   step, bench/NOTES.md entry 44)
 
 The session knows blocks only as ids; which sequence owns which block is the block manager's business.
 It must not import builder/, recipes/ or torch.
@@ -67,7 +70,7 @@ class EngineSession:
     def bind_lora(self, arrays: dict[str, np.ndarray]) -> None:
         """Bind the LoRA inputs of an engine built with them to `arrays` (runtime/lora/slots.py), which stay
         shared: a slot written in place is what the next run reads."""
-        self._lora_values = {name: _shared_value(a) for name, a in arrays.items()}
+        self._lora_values = {name: shared_value(a) for name, a in arrays.items()}
         for name, value in self._lora_values.items():
             self._binding.bind_ortvalue_input(name, value)
 
@@ -94,7 +97,7 @@ class EngineSession:
         return logits.copy() if copy else logits
 
 
-def _shared_value(array: np.ndarray) -> ort.OrtValue:
+def shared_value(array: np.ndarray) -> ort.OrtValue:
     """An OrtValue over the array's memory; bfloat16 (ml_dtypes, which ORT's converter does not know) as its bits."""
     if array.dtype == np.float32:
         return ort.OrtValue.ortvalue_from_numpy(array)

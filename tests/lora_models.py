@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.core import lora
 from engine.core.engine_format import BuildConfig, PluginConfig
+from engine.runtime.engine_dir import load_engine_config
 from tests.tiny_models import make_tiny_model
 
 BUILD = dict(max_batch_size=8, max_input_len=48, max_seq_len=64, max_num_tokens=64, tokens_per_block=8)
 # PEFT's module names per family (Phi-3 stores q|k|v and gate|up fused, and so do its adapters)
 TARGETS = {"Phi3ForCausalLM": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 SPLIT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEFT_PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 class Models:
@@ -74,3 +78,26 @@ class Models:
 def _peft():
     import peft
     return peft
+
+
+def write_random_adapter(out: Path, engine: Path, rank: int, seed: int, scale: float = 0.01) -> Path:
+    """A PEFT adapter directory of rank `rank` on every projection of the engine's model (random weights, B's of
+    standard deviation `scale`), written with safetensors: no HF model needed."""
+    from safetensors.numpy import save_file
+    if (out / "adapter_model.safetensors").is_file():
+        return out
+    model = load_engine_config(engine).model
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(model.num_layers):
+        for module, parent in PEFT_PARENTS.items():
+            k = lora.group_shape(model, lora.MODULE_GROUP[module])[0]
+            c0, c1 = lora.module_columns(model, module)
+            stem = f"base_model.model.model.layers.{i}.{parent}.{module}"
+            tensors[f"{stem}.lora_A.weight"] = (rng.standard_normal((rank, k)) / np.sqrt(k)).astype(np.float32)
+            tensors[f"{stem}.lora_B.weight"] = (rng.standard_normal((c1 - c0, rank)) * scale).astype(np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                         "target_modules": list(PEFT_PARENTS)}))
+    return out

@@ -104,6 +104,29 @@ def test_quantized_base_within_mode_tolerance(models, mode, lora_dtype):
     assert relative_rms(got, expected) <= LOGITS_RELATIVE_RMS[mode]
 
 
+def test_gguf_base_keeps_its_blocks_and_applies_the_adapter(tmp_path):
+    """--dtype gguf (the file's Q4_0 blocks run as stored) with an adapter, against the float32 engine of the same
+    weights with the same adapter."""
+    from engine.builder.build import build_engine
+    from engine.core.engine_format import BuildConfig, PluginConfig
+    from engine.core.lora import MODULES
+    from engine.core.model_config import QuantConfig
+    from engine.recipes.convert import ConvertConfig, convert
+    from engine.recipes.gguf_source import GGUFSource
+    from tests.lora_models import BUILD, write_random_adapter
+    from tests.tiny_gguf import write_tiny_gguf
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q4_0")
+    convert(GGUFSource(tmp_path / "m.gguf"), ConvertConfig(output_dir=tmp_path / "ckpt"))
+    build = BuildConfig(**BUILD, lora_target_modules=MODULES)
+    build_engine(tmp_path / "ckpt", tmp_path / "gguf", build, PluginConfig(), quant=QuantConfig(mode="gguf"))
+    build_engine(tmp_path / "ckpt", tmp_path / "fp32", build, PluginConfig())
+    adapter = write_random_adapter(tmp_path / "adapter", tmp_path / "fp32", rank=4, seed=0, scale=0.5)
+    prompts = [[t % 50 + 3 for t in p] for p in PROMPTS]
+    got, ref = engine_logits(tmp_path / "gguf", adapter, prompts), engine_logits(tmp_path / "fp32", adapter, prompts)
+    assert relative_rms(got, ref) <= LOGITS_RELATIVE_RMS["int8_wo"]
+    assert relative_rms(engine_logits(tmp_path / "fp32", None, prompts), ref) > 5 * LOGITS_RELATIVE_RMS["int8_wo"]
+
+
 def test_rslora_and_alpha_pattern_scaling(models):
     key = "Qwen2ForCausalLM"
     adapter = models.adapter(key, seed=5, r=8, use_rslora=True, alpha_pattern={"down_proj": 3.0})
