@@ -118,7 +118,8 @@ class EngineCore:
                            preemptions=sched.stats.num_preemptions,
                            prefix_cache_queries=sched.stats.prefix_cache_queries,
                            prefix_cache_hits=sched.stats.prefix_cache_hits, num_steps=self.stats.num_steps,
-                           speculation=self.speculator.stats.copy() if self.speculator is not None else None)
+                           speculation=self.speculator.stats.copy() if self.speculator is not None else None,
+                           running_loras=_adapters(sched.running), waiting_loras=_adapters(sched.waiting))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -269,6 +270,10 @@ class EngineCore:
                                    finish_time=seq.finish_time, num_preemptions=seq.num_preemptions,
                                    num_cached_tokens=seq.num_cached_tokens),
             logprobs=list(req.logprobs) if req.logprobs is not None else None)
+
+
+def _adapters(seqs: list[Sequence]) -> tuple[str, ...]:
+    return tuple(sorted({s.lora_name for s in list(seqs) if s.lora_name}))
 
 
 def _first(rows: np.ndarray | None) -> np.ndarray | None:

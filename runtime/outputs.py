@@ -78,6 +78,8 @@ class EngineStats:
     prefix_cache_hits: int               # of those, tokens found (not computed)
     num_steps: int
     speculation: SpecDecodeStats | None = None   # drafts proposed and accepted, with speculative decoding
+    running_loras: tuple[str, ...] = ()   # the LoRA adapters of the running requests, and of the waiting ones
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

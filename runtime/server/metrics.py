@@ -91,6 +91,10 @@ class _EngineCollector:
                 s.prefix_cache_queries)
         counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                 s.prefix_cache_hits)
+        if llm.loras is not None and llm.loras.options is not None:   # vLLM's gauge, its labels naming the adapters
+            add(GaugeMetricFamily, "vllm:lora_requests_info", "Running stats on LoRA requests.", model, 1,
+                ("model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+                (str(llm.loras.options.max_loras), ",".join(s.running_loras), ",".join(s.waiting_loras)))
         if (sp := s.speculation) is not None:
             counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sp.num_drafts)
             counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sp.num_draft_tokens)

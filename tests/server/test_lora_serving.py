@@ -59,6 +59,8 @@ def test_requests_run_with_the_adapter_their_model_names(lora_server):
     assert engine_text(lora_server, "a1") != engine_text(lora_server, None)
     cards = {c["id"]: c for c in httpx.get(lora_server.url + "/v1/models").json()["data"]}
     assert cards["a1"]["parent"] == MODEL and cards[MODEL]["parent"] is None
+    metrics = httpx.get(lora_server.url + "/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="2",model_name="tiny",running_lora_adapters="",' in metrics
 
 
 def test_adapters_load_and_unload_at_run_time(lora_server, models):
