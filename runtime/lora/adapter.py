@@ -31,13 +31,8 @@ _KEY = re.compile(r"(?P<module_path>.*\blayers\.(?P<layer>\d+)\..*?(?P<module>\w
 
 @dataclass
 class LoraWeights:
-    path: Path
-    rank: int                           # the largest of its modules' ranks
+    rank: int = 0                       # the largest of its modules' ranks
     modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
 
 
 def load_adapter(path: Path | str, model: ModelConfig, target_modules: tuple[str, ...],
@@ -58,7 +53,7 @@ def load_adapter(path: Path | str, model: ModelConfig, target_modules: tuple[str
                               f"{model.num_layers} layers and the engine adapts {', '.join(target_modules)}")
         pairs.setdefault((layer, module), {})[m["ab"]] = value
         names[(layer, module)] = m["module_path"]
-    weights = LoraWeights(path, rank=0)
+    weights = LoraWeights()
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise EngineError(f"{path / WEIGHTS}: {names[(layer, module)]} has lora_{''.join(ab)} without its pair")
