@@ -10,8 +10,8 @@ throughput  `--streams` concurrent /v1/completions streams of random token ids (
 latency     one request at a time, a 1-token completion of a short prompt: the wall time of each through 1 replica
             of --threads 2 on Ray against `engine serve --threads 2`, both running, requests to them in turns;
             goal: the P50 difference <= 5 ms. --baseline-tree DIR (a checkout of another commit, in a folder named
-            `engine`, e.g. `git worktree add /tmp/ab/engine e73b5ec`) measures that tree's `engine serve --ray` the
-            same way after, against a plain server again
+            `engine`, e.g. `git worktree add /tmp/ab/engine e73b5ec`) adds that tree's `engine serve --ray`, on a
+            second Ray cluster, to the same turns
 prefix      8 system prompts of ~300 tokens, each user turn short and new, chat streams at --prefix-concurrency
             over 2 replicas whose KV pools hold about half of the system prompts each: the prefix-cache hit rate
             (hits / queried tokens, from the replicas' metrics) with --routing prefix against Ray's default
@@ -123,24 +123,34 @@ def latencies(urls: list[str], n: int) -> list[list[float]]:
     return out
 
 
-def latency_against_plain(args, max_kv: int, tree: Path | None = None) -> dict:
-    """A plain server and 1 replica on Ray (of `tree`'s package, else this one), both up, requests in turns."""
-    plain, plain_url = start_server(args.engine_dir, max_kv, 2)
+def latency_against_plain(args, max_kv: int) -> dict:
+    """A plain server and 1 replica on Ray (and one of --baseline-tree's package, on a second Ray cluster), all up,
+    requests to them in turns."""
+    trees = [None] + ([args.baseline_tree] if args.baseline_tree is not None else [])
+    procs = []
     try:
-        proc, url = start_ray_server(args.engine_dir, replicas=1, threads=2, max_kv_tokens=max_kv, tree=tree)
-        try:
-            load = os.getloadavg()[0]
-            direct_ms, ray_ms = latencies([plain_url, url], args.latency_requests)
-            load = (load + os.getloadavg()[0]) / 2
-        finally:
-            stop(proc)
+        plain, plain_url = start_server(args.engine_dir, max_kv, 2)
+        procs.append(plain)
+        urls = []
+        for tree in trees:
+            proc, url = start_ray_server(args.engine_dir, replicas=1, threads=2, max_kv_tokens=max_kv, tree=tree)
+            procs.append(proc)
+            urls.append(url)
+        load = os.getloadavg()[0]
+        direct_ms, *ray_ms = latencies([plain_url, *urls], args.latency_requests)
+        load = (load + os.getloadavg()[0]) / 2
     finally:
-        stop(plain)
-    d, r = statistics.median(direct_ms), statistics.median(ray_ms)
-    print(f"1-token latency P50 ({tree or 'this tree'}, load {load:.1f}): plain {d:.1f}, 1 replica x 2 threads "
-          f"{r:.1f} ms", file=sys.stderr)
-    return {"direct_ms": direct_ms, "ray_ms": ray_ms, "direct_p50_ms": d, "ray_p50_ms": r, "added_p50_ms": r - d,
-            "load_avg_1min": load}
+        for proc in reversed(procs):
+            stop(proc)
+    d = statistics.median(direct_ms)
+    out = {}
+    for key, tree, ms in zip(("latency", "latency_baseline"), trees, ray_ms):
+        r = statistics.median(ms)
+        print(f"1-token latency P50 ({tree or 'this tree'}, load {load:.1f}): plain {d:.1f}, 1 replica x 2 threads "
+              f"{r:.1f} ms", file=sys.stderr)
+        out[key] = {"direct_ms": direct_ms, "ray_ms": ms, "direct_p50_ms": d, "ray_p50_ms": r, "added_p50_ms": r - d,
+                    "load_avg_1min": load, "tree": str(tree or "this tree")}
+    return out
 
 
 # ---- prefix-cache hit rate -------------------------------------------------------------------------------------
@@ -218,10 +228,7 @@ def main() -> None:
     if "throughput" in parts:
         result["throughput"] = throughput_part(args, rounds, warm, max_kv)
     if "latency" in parts:
-        result["latency"] = latency_against_plain(args, max_kv)
-        if args.baseline_tree is not None:
-            result["latency_baseline"] = latency_against_plain(args, max_kv, args.baseline_tree) | {
-                "tree": str(args.baseline_tree)}
+        result |= latency_against_plain(args, max_kv)
     if "prefix" in parts:
         result["prefix"] = prefix_part(args)
     report(result)

@@ -1,8 +1,8 @@
-"""`engine serve --ray` on a local Ray cluster of 2 CPUs: 2 replicas of the tiny engine behind the ingress, through
+"""`engine serve --ray` on a local Ray cluster of 2 CPUs: 2 replicas of the tiny engine, each its own ingress, through
 Ray's HTTP proxy and the official openai client.
 
     concurrent streams give the greedy text a single server gives, and use both replicas
-    the API key, errors, and 429 once every replica is at its capacity and Ray's queue before them is full
+    the API key, errors, and 429 from the replicas themselves once each is at its capacity
     requests that share a prompt prefix land on one replica (forwarded there by the one Ray's proxy chose), whose
     metrics count the prefix-cache hits
     a client that goes away frees its request on the replica
