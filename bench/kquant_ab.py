@@ -1,12 +1,13 @@
 """A/B of kernel libraries on the K-quant tiles alone: one GGUF projection of the 1.5B's shapes (gate|up [17920 x
-1536], down [1536 x 8960]) as QuantMatMul, weights resident in cache, rows 1 .. 512, libraries in turns.
+1536], down [1536 x 8960]) as QuantMatMul, random weights (5-23 MB, in L3 after the first call), rows 1 .. 512,
+libraries in turns.
 
     .venv/bin/python -m bench.kquant_ab --libs LIB_A,LIB_B[,...] [--kinds Q4_K,Q6_K] [--rows 1 8 32 512]
 
 Build a variant library as bench/kernel_ab.py's docstring shows. Each library gets its own ORT session per case; the
 order of the libraries rotates every turn. Prints the median ms of each library and its speedup over the first,
-and the largest output difference from the first's (the activations' rounding is the same, so only the order of
-float additions may differ); writes bench/results/kquant_ab.json.
+and the largest output difference from the first's relative to its largest output (0 where the arithmetic is the
+same); writes bench/results/kquant_ab.json.
 """
 from __future__ import annotations
 
@@ -22,27 +23,15 @@ import onnxruntime as ort
 from engine.plugins import gguf_tiles, native
 from engine.plugins.graph import Graph
 from engine.quantization.gguf_blocks import decode
+from tests.plugins.test_gguf_tiles import raw_weight
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "kquant_ab.json"
-# bytes of one K-quant block of 256 and where its float16 scales are (llama.cpp's block_q*_K)
-K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 SHAPES = {"gate_up": (17920, 1536), "down": (1536, 8960)}
 
 
-def raw_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
-    """uint8 [N, row bytes]: random K-quant blocks whose float16 scales hold small finite values."""
-    rng = np.random.default_rng(seed)
-    size, halves = K_BLOCKS[kind]
-    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    for at in halves:
-        scale = rng.uniform(1e-4, 2e-3, (n, k // 256)).astype(np.float16)
-        blocks[:, :, at:at + 2] = scale.view(np.uint8).reshape(n, k // 256, 2)
-    return blocks.reshape(n, -1)
-
-
 def session(lib: Path, kind: str, n: int, k: int, threads: int) -> ort.InferenceSession:
-    blocks, f = gguf_tiles.pack(decode(raw_blocks(kind, n, k, 0), kind, k))
+    blocks, f = gguf_tiles.pack(decode(raw_weight(kind, n, k, 0), kind, k))
     g = Graph("kquant_ab")
     x = g.input("x", onnx.TensorProto.FLOAT, ["t", k])
     y = gguf_tiles.gguf_node(g.scope("/proj"), x, g.weight("proj.weight", blocks), n, f)
