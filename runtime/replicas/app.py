@@ -7,8 +7,8 @@
     # or in a Serve config file / a KubeRay RayService:  import_path: engine.runtime.replicas.app:build_app
 
 Each replica reserves `threads` CPUs from Ray and admits its server's capacity (max batch size + max queue) of
-requests; Ray's proxy sends each request to the least-loaded replica, and a replica that is full answers 429 itself
-(at once, as `engine serve` does), so a client sees 429 once every replica is full. Ray sends a replica up to
+requests; Ray's proxy sends each request to the least-loaded replica, and a replica that is full passes it once to
+another (front.py), which answers 429 itself if full too (at once, as `engine serve` does). Ray sends a replica up to
 HEADROOM more than its capacity, the requests it refuses and those of /metrics and /health.
 The engine directory must be readable at the same path here and on every node that runs a replica (a shared volume,
 or a copy on each).
@@ -49,8 +49,8 @@ def build_application(replica: ReplicaConfig, cluster: ClusterConfig):
         ray_actor_options={"num_cpus": replica.engine.threads},
         graceful_shutdown_timeout_s=server.shutdown_timeout,
         request_router_config=_router(cluster), logging_config=NO_ACCESS_LOG)
-    forward = cluster.routing == "prefix" and (cluster.max_replicas or cluster.replicas) > 1
-    return replicas.bind(replica, RoutingConfig(forward, cluster.affinity))
+    several = (cluster.max_replicas or cluster.replicas) > 1
+    return replicas.bind(replica, RoutingConfig(cluster.routing == "prefix" and several, several, cluster.affinity))
 
 
 def _scaling(cluster: ClusterConfig, max_batch_size: int) -> dict:

@@ -9,6 +9,9 @@ The front answers itself only what one replica's app cannot:
     /metrics     every replica's metrics, each series labelled with its replica (metrics_merge.py)
     a prefix     owned by another replica (peers.py): the request is forwarded there once, as a whole, and its
                  response relayed; if that replica has gone before answering, this one serves it
+    a full queue here (the app's 429): the request is forwarded once to the least-loaded other replica, and the
+                 429 sent only if that one refuses too. Ray's loads lag a burst of requests, so the proxy may send
+                 a replica more than it holds while another has room
 Everything else (errors, the API key, admission 429, /health, streaming, cancellation) is the server app's, run here.
 A forwarded stream whose replica dies ends with an error event and [DONE]; one served here is mended the same way by
 the proxy's middleware (proxy_guard.py), as the replica that wrote it is gone.
@@ -31,6 +34,7 @@ from .proxy_guard import replica_failed
 
 log = logging.getLogger("engine.replicas")
 REPLICA_HEADER = b"x-engine-replica"      # each response names the replica that served it (logs, tests)
+VIA_HEADER = b"x-engine-via"              # and the one that relayed it, when forwarded: it fails if either dies
 # A replica that died, or that Ray no longer reaches.
 REPLICA_GONE = (ray_errors.RayActorError, ray_errors.WorkerCrashedError, ray_errors.NodeDiedError,
                 ray_errors.ObjectLostError, serve_errors.ReplicaUnavailableError,
@@ -38,9 +42,9 @@ REPLICA_GONE = (ray_errors.RayActorError, ray_errors.WorkerCrashedError, ray_err
 
 
 class ReplicaFront:
-    def __init__(self, app, peers, *, forward: bool, max_body_bytes: int):
+    def __init__(self, app, peers, *, by_prefix: bool, spill: bool, max_body_bytes: int):
         self.app, self.peers = app, peers          # peers: peers.Peers
-        self.forward, self.max_body_bytes = forward, max_body_bytes
+        self.by_prefix, self.spill, self.max_body_bytes = by_prefix, spill, max_body_bytes
         self.header = (REPLICA_HEADER, peers.me.encode())
 
     async def __call__(self, scope, receive, send):
@@ -51,39 +55,49 @@ class ReplicaFront:
         method, path = scope["method"], scope["path"]
         if method == "GET" and path == "/metrics":
             return await self._metrics(send)
-        if not (self.forward and method == "POST" and path in GENERATION_PATHS):
+        if not ((self.by_prefix or self.spill) and method == "POST" and path in GENERATION_PATHS):
             return await self.app(scope, receive, self._send_here(send))
         body = await _read_body(receive, self.max_body_bytes)
-        owner = self.peers.owner_of(prefix_hashes(path, body))
+        owner = self.peers.owner_of(prefix_hashes(path, body)) if self.by_prefix else None
         if owner is not None and await self._forwarded(scope, body, owner, send):
             return
-        await self.app(scope, _replay(body, receive), self._send_here(send))
+        held = []       # the app's 429 for a full queue, kept while another replica is asked
+        await self.app(scope, _replay(body, receive), self._send_here(send, held if self.spill else None))
+        if held and not await self._forwarded(scope, body, None, send):
+            for message in held:
+                await send(message)
 
-    def _send_here(self, send):
+    def _send_here(self, send, held: list | None = None):
         async def send_here(message):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": _without_request_id(message.get("headers", ())) + [self.header]}
+                if held is not None and message["status"] == 429:
+                    held.append(message)
+                    return
+            if held:
+                held.append(message)
+                return
             await send(message)
         return send_here
 
-    async def _forwarded(self, scope, body: bytes, owner: str, send) -> bool:
-        """The request served by `owner` and its response relayed; False when no response began (that replica
-        went away or was full), for this one to serve it."""
+    async def _forwarded(self, scope, body: bytes, owner: str | None, send) -> bool:
+        """The request served by `owner` (None: the least loaded other replica) and its response relayed; False
+        when no response began (that replica went away), for this one to answer it."""
         request = ForwardedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
                                    list(scope.get("headers", ())), body, scope.get("client"),
                                    scope.get("http_version", "1.1"))
-        stream = self.peers.handle.options(stream=True).handle_http.remote(request, prefer=owner)
+        stream = self.peers.handle.options(stream=True).handle_http.remote(request, prefer=owner, avoid=self.peers.me)
         try:
             start = await stream.__anext__()
         except Exception as e:  # noqa: BLE001 - served here instead
             _cancel(stream)
-            log.info("forwarding to replica %s failed (%r); serving it here", owner, e)
+            log.info("forwarding to replica %s failed (%r); answering it here", owner, e)
             return False
         except BaseException:
             _cancel(stream)
             raise
         assert isinstance(start, ResponseStart), start
-        await _relay(start, stream, send)
+        await _relay(ResponseStart(start.status, start.headers + [(VIA_HEADER, self.header[1])]), stream, send)
         return True
 
     async def _metrics(self, send) -> None:

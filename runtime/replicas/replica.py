@@ -33,7 +33,8 @@ log = logging.getLogger("engine.replicas")
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    forward: bool                 # prefix routing: a request whose prefix another replica owns goes there once
+    by_prefix: bool               # a request whose prompt prefix another replica owns goes there once
+    spill: bool                   # a request this replica's full queue refuses goes once to another
     affinity: AffinityConfig
 
 
@@ -49,14 +50,14 @@ class LLMReplica:
         deployment = context.replica_id.deployment_id
         self.peers = Peers(self.id, serve.get_deployment_handle(deployment.name, deployment.app_name),
                            routing.affinity)
-        self.front = ReplicaFront(self.server_app, self.peers, forward=routing.forward,
+        self.front = ReplicaFront(self.server_app, self.peers, by_prefix=routing.by_prefix, spill=routing.spill,
                                   max_body_bytes=config.server.max_body_bytes)
 
     def __serve_build_asgi_app__(self):
         return self.front
 
-    async def handle_http(self, request: ForwardedRequest, prefer: str | None = None):
-        """The app's response to a forwarded request (`prefer` is the router's, router.py)."""
+    async def handle_http(self, request: ForwardedRequest, prefer: str | None = None, avoid: str | None = None):
+        """The app's response to a forwarded request (`prefer` and `avoid` are the router's, router.py)."""
         async for message in call_asgi(self.server_app, request, [self.front.header]):
             yield message
 

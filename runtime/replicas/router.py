@@ -4,7 +4,7 @@ is not overloaded (affinity.py's bound).
 It runs in Ray's HTTP proxy, which sends each request to a replica (front.py), and in each replica, which forwards
 a request whose prompt prefix another replica owns to that one with `handle_http(request, prefer=owner)`. The proxy
 has not read the body when it routes, so it cannot see the prompt: it sends to the least-loaded replica and the
-replica forwards once when it is not the owner. Loads are the replicas' ongoing requests from Ray's queue-length
+replica forwards once when it is not the owner (`avoid`: itself), or when its queue is full (`avoid` alone). Loads are the replicas' ongoing requests from Ray's queue-length
 cache (kept by Ray as requests are sent and finish, and refreshed from the replicas' own counts), probed when the
 cache has no entry, plus the replicas this router chose and Ray has not yet sent to: a burst of requests is routed
 before the first of them is sent, and would otherwise all see the same loads. It names one replica, then all of
@@ -37,10 +37,13 @@ class PrefixAwareRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        prefer = pending_request.kwargs.get("prefer") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        prefer, avoid = kwargs.get("prefer"), kwargs.get("avoid")
         loads = await self._loads(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         open_loads = {rid: load for rid, load in loads.items() if load < by_id[rid].max_ongoing_requests}
+        if avoid in open_loads and len(open_loads) > 1:     # the replica forwarding it
+            del open_loads[avoid]
         if not open_loads:              # every replica is full: Ray backs off and asks again
             return [candidate_replicas]
         if prefer in open_loads and self.affinity.within_bound(prefer, open_loads):
