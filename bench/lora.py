@@ -51,7 +51,7 @@ def engines(model: str, dtype: str, cache: Path) -> tuple[Path, Path]:
     for out, extra in ((base, []), (adapted, ["--lora-target-modules", "all"])):
         if not (out / "config.json").is_file():
             subprocess.run([*engine, "build", "--checkpoint-dir", str(ckpt), "--output-dir", str(out), "--dtype",
-                            dtype, "--eval-tokens", "0", "--force", *extra], check=True)
+                            dtype, "--eval-tokens", "0", "--max-seq-len", "2048", "--force", *extra], check=True)
     return base, adapted
 
 
@@ -105,9 +105,9 @@ def main() -> None:
                 for s in range(4)}
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 20000, 64).tolist() for _ in range(args.streams)]
-    base = LLM(base_dir, threads=args.threads, max_kv_tokens=args.streams * 256)
+    base = LLM(base_dir, threads=args.threads, max_kv_tokens=max(args.streams * 256, 2048))
     # two LLMs of the LoRA engine (the same files): one serves no adapter, the other the adapters, stepped in turns
-    adapted, adapted2 = (LLM(lora_dir, threads=args.threads, max_kv_tokens=args.streams * 256,
+    adapted, adapted2 = (LLM(lora_dir, threads=args.threads, max_kv_tokens=max(args.streams * 256, 2048),
                              lora_config={"max_loras": 4, "max_lora_rank": args.rank, "modules": adapters})
                          for _ in range(2))
     results = {"model": args.model, "dtype": args.dtype, "rank": args.rank, "threads": args.threads,
