@@ -13,8 +13,9 @@ while that replica is not overloaded; otherwise the least-loaded one.
 
 Loads are requests in flight per replica, as the caller knows them. The ownership table is bounded (least recently
 used hashes are forgotten first) and is this process's: each replica keeps one, and tells the others the hashes it
-takes (`taken`, then `learn` on theirs); two that take a hash at once both keep the smaller replica id, so the tables
-agree. Knows nothing of Ray (router.py and front.py use it).
+takes (`take`, then `learn` on theirs); two that took a hash at once both keep the one that rendezvous hashing of
+that hash picks, so the tables agree, and prefixes contested in a burst are split between the replicas rather than
+all given to one. Knows nothing of Ray (router.py and front.py use it).
 """
 from __future__ import annotations
 
@@ -67,11 +68,11 @@ class PrefixAffinity:
         return tuple(taken)
 
     def learn(self, hashes: tuple[int, ...], replica: str, live) -> None:
-        """Another replica took these hashes; where this table names a different live owner, the smaller id wins
-        here as it does there."""
+        """Another replica took these hashes; where this table names a different live owner, rendezvous hashing
+        of the hash picks one of the two, here as there."""
         for h in hashes:
             current = self.owners.get(h)
-            self.owners[h] = replica if current not in live else min(current, replica)
+            self.owners[h] = replica if current not in live else max((current, replica), key=_weight(h))
         self._trim()
 
     def within_bound(self, replica: str, loads: dict[str, int]) -> bool:
@@ -97,9 +98,14 @@ class PrefixAffinity:
         tied = sorted(r for r, load in loads.items() if load == least)
         if not hashes:
             return random.choice(tied)
-        key = hashes[0].to_bytes(8, "little")
-        return max(tied, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
+        return max(tied, key=_weight(hashes[0]))
 
     def _trim(self) -> None:
         while len(self.owners) > self.config.max_entries:
             self.owners.popitem(last=False)
+
+
+def _weight(h: int):
+    """Rendezvous hashing's weight of each replica for chunk hash h."""
+    key = h.to_bytes(8, "little")
+    return lambda replica: hashlib.blake2b(key + replica.encode(), digest_size=8).digest()

@@ -71,16 +71,22 @@ def test_bad_settings_are_usage_errors():
         AffinityConfig(min_match=2)
 
 
-def test_two_replicas_that_take_a_prefix_at_once_agree_on_the_smaller_id():
-    """Each replica's table (peers.py): both took P1 before hearing of the other; told, both keep r1."""
+def test_two_replicas_that_take_a_prefix_at_once_agree_and_split_contested_prefixes():
+    """Each replica's table (peers.py): both took a prefix before hearing of the other; told, both keep the same
+    owner, and over many such prefixes each replica keeps some."""
     live = {"r1", "r2"}
     tables = {r: PrefixAffinity() for r in live}
-    told = {r: table.take(P1, r, live) for r, table in tables.items()}
-    assert told == {"r1": P1, "r2": P1}
-    tables["r1"].learn(told["r2"], "r2", live)
-    tables["r2"].learn(told["r1"], "r1", live)
-    assert {table.owner(P1, live) for table in tables.values()} == {"r1"}
-    assert tables["r2"].take(P1 + (15,), "r2", live) == (15,)     # only the new hash is r2's to tell
+    prefixes = [(h, h + 1000) for h in range(40)]
+    for r, table in tables.items():
+        for p in prefixes:
+            assert table.take(p, r, live) == p
+    for p in prefixes:
+        tables["r1"].learn(p, "r2", live)
+        tables["r2"].learn(p, "r1", live)
+    owners = [{table.owner(p, live) for table in tables.values()} for p in prefixes]
+    assert all(len(o) == 1 for o in owners)
+    assert {o.pop() for o in owners} == live
+    assert tables["r2"].take(prefixes[0] + (999,), "r2", live) == (999,)     # only the new hash is r2's to tell
 
 
 def test_a_dead_owners_prefix_is_taken_by_the_next_replica_that_serves_it():
