@@ -11,8 +11,8 @@
 // Attribute: columns (ints, 2M): [start, stop) of each row block's output columns (q|k|v of a qkv projection),
 // consecutive and covering [0, N).
 //
-// One pass on the kernels' threads. The tokens are grouped by slot (up to 4 of one slot a group), and an item is a
-// group x up to 1024 columns of one row block: it copies y and adds u[r] * b[s, r] over the block's rows in order,
+// One pass on the kernels' threads. The tokens are grouped by slot (up to 8 of one slot a group), and an item is a
+// group x up to 2048 columns of one row block: it copies y and adds u[r] * b[s, r] over the block's rows in order,
 // u = a[s] x over those rows, each A and B row loaded once for the group. A decode's small nodes take one hand-over
 // to the threads (or none: a one-item node runs inline), which is most of their cost. Each token's arithmetic
 // depends on its own row alone, so a token gets the same floats in any batch (batched == single).
@@ -29,7 +29,7 @@ namespace engine_kernels {
 namespace {
 
 constexpr const char* kName = "LoraAdd";
-constexpr int64_t kTokens = 4, kColumns = 1024, kMaxRank = 1024;
+constexpr int64_t kTokens = 8, kColumns = 2048, kMaxRank = 1024;
 
 struct Bf16 {
   uint16_t bits;
@@ -176,6 +176,10 @@ void item(void* opaque, size_t i) {
   const auto& chunk = j.chunk_list[i % static_cast<size_t>(j.chunks)];
   const int64_t* tokens = j.order + g[0];
   switch (g[1] - g[0]) {
+    case 8: group<8>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
+    case 7: group<7>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
+    case 6: group<6>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
+    case 5: group<5>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
     case 4: group<4>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
     case 3: group<3>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
     case 2: group<2>(j, tokens, chunk[0], chunk[1], chunk[2]); break;
