@@ -17,6 +17,7 @@ server's SSE chunk and socket write, the reader's wake-up), which matters with m
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -37,6 +38,8 @@ from .speculative import Speculator, verify
 from .structured import GrammarBackend, MaskRequest, consume, valid_prefix
 from .step_inputs import SeqChunk
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("engine.runtime")
 
 
 def check_stream_interval(n: int) -> None:
@@ -142,8 +145,9 @@ class EngineCore:
         st.max_tokens_per_step = max(st.max_tokens_per_step, sched.num_tokens)
         for seq in self.scheduler.running:   # drafts the scheduler did not take are dropped; taken ones are in chunks
             seq.draft_token_ids = []
+        aborted = self._drop_unreadable_adapters(sched) if self.loras is not None else []
         if not sched.chunks:
-            return []
+            return aborted
         lora_ids = [c.seq.lora_id for c in sched.chunks]
         slots = self.loras.slots_for(lora_ids) if any(lora_ids) else lora_ids   # the scheduler kept them <= max_loras
         chunks = [SeqChunk(token_ids=c.token_ids, start_pos=c.start_pos,
@@ -158,13 +162,27 @@ class EngineCore:
         assert logits.shape[0] == sum(c.num_logits for c in scored), (logits.shape, len(scored))
         logits = np.asarray(logits)[:, :self.vocab_size]
         if any(c.draft_token_ids for c in scored):
-            return self._verify_step(scored, logits, allowed)
+            return aborted + self._verify_step(scored, logits, allowed)
         result = sample(logits, [self._row(c.seq, _first(a)) for c, a in zip(scored, allowed)])
         outputs = []
         for c, tok, lp in zip(scored, result.token_ids, result.logprobs):
             self._commit(c.seq, [int(tok)], [lp])
             if self._due(self.requests[c.seq.request_id]):
                 outputs.append(self._output(self.requests[c.seq.request_id]))
+        return aborted + outputs
+
+    def _drop_unreadable_adapters(self, sched) -> list[RequestOutput]:
+        """Abort the scheduled requests whose LoRA adapter can no longer be read (an evicted adapter's directory
+        gone): they cannot run as asked, and the others must not stop with them. Their final outputs."""
+        failed = self.loras.unreadable([c.seq.lora_id for c in sched.chunks])
+        if not failed:
+            return []
+        outputs = []
+        for c in [c for c in sched.chunks if c.seq.lora_id in failed]:
+            log.error("request %s aborted: %s", c.seq.request_id, failed[c.seq.lora_id])
+            self.scheduler.finish(c.seq, FinishReason.ABORT)
+            outputs.append(self._output(self.requests[c.seq.request_id]))
+        sched.chunks = [c for c in sched.chunks if c.seq.lora_id not in failed]
         return outputs
 
     @staticmethod

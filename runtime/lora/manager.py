@@ -100,6 +100,17 @@ class LoraManager:
                                   usage=True)
             return self._names[name]
 
+    def unreadable(self, lora_ids: list[int]) -> dict[int, str]:
+        """Those of these ids whose weights are neither resident nor parsed and can no longer be read (their
+        directory changed or vanished since they were registered), with why; the others are then at hand."""
+        failed = {}
+        for lora_id in set(lora_ids) - {0} - set(self._resident):
+            try:
+                self._weights(lora_id)
+            except EngineError as e:
+                failed[lora_id] = str(e)
+        return failed
+
     def slots_for(self, lora_ids: list[int]) -> list[int]:
         """The slot of each id (0 for none), loading the missing ones into free or least recently used slots;
         the ids' distinct adapters must fit the slots (the scheduler's max_loras)."""

@@ -134,6 +134,20 @@ def test_rslora_and_alpha_pattern_scaling(models):
     assert_logits_close(got[0], hf_logits(models.reference(key, adapter), PROMPTS[0]), what="rsLoRA")
 
 
+def test_an_evicted_adapter_whose_directory_vanished_aborts_only_its_requests(models, tmp_path):
+    import shutil
+    key = "LlamaForCausalLM"
+    gone = tmp_path / "gone"
+    shutil.copytree(models.adapter(key, seed=1), gone)
+    llm = LLM(models.engine(key), max_kv_tokens=1024,
+              lora_config={"max_loras": 1, "max_cpu_loras": 1, "modules": {"gone": gone, "a2": models.adapter(key, 2)}})
+    shutil.rmtree(gone)      # "gone" was evicted from the parsed cache when a2 was registered
+    out = llm.generate([PROMPTS[0], PROMPTS[1]], GREEDY, lora=["gone", "a2"])
+    assert out[0].finish_reason == "abort" and out[1].finish_reason == "length"
+    assert out[1].token_ids == llm.generate([PROMPTS[1]], GREEDY, lora="a2")[0].token_ids
+    llm.check_all_free()
+
+
 def test_unknown_adapter_and_engines_without_lora_are_refused(models, tiny_engine):
     llm = LLM(models.engine("LlamaForCausalLM"), max_kv_tokens=512, lora_config={"max_loras": 1})
     with pytest.raises(EngineError, match="'nope' is not loaded"):
