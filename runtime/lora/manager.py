@@ -85,8 +85,7 @@ class LoraManager:
     def remove(self, name: str) -> None:
         with self._lock:
             if self._names.pop(name, None) is None:
-                raise EngineError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(self._names) or 'none'}",
-                                  usage=True)
+                raise self._not_loaded(name)
 
     def names(self) -> list[str]:
         with self._lock:
@@ -96,9 +95,12 @@ class LoraManager:
         """The registration id requests for `name` run with."""
         with self._lock:
             if name not in self._names:
-                raise EngineError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(self._names) or 'none'}",
-                                  usage=True)
+                raise self._not_loaded(name)
             return self._names[name]
+
+    def _not_loaded(self, name: str) -> EngineError:
+        return EngineError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(self._names) or 'none'}",
+                           usage=True)
 
     def unreadable(self, lora_ids: list[int]) -> dict[int, str]:
         """Those of these ids whose weights are neither resident nor parsed and can no longer be read (their
