@@ -193,8 +193,10 @@ class Scheduler:
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether `seq`'s LoRA adapter can be resident beside the running ones (max_loras slots); one that
         cannot waits while later requests are admitted, as vLLM does."""
+        if not seq.lora_id:   # the common case: no set of the running adapters built per waiting request
+            return True
         running = {s.lora_id for s in self.running if s.lora_id}
-        return not seq.lora_id or seq.lora_id in running or len(running) < self.config.max_loras
+        return seq.lora_id in running or len(running) < self.config.max_loras
 
     def _admit(self, seq: Sequence, budget: int, cap: int | None, out: SchedulerOutput) -> int:
         """Start (or resume) waiting `seq` with its first chunk; the tokens it takes, 0 when it does not fit."""
