@@ -15,6 +15,7 @@
     prefix_key.py    a request's leading chunk hashes, which the owners are kept by
     asgi_bridge.py   one buffered request through an ASGI app, the response as a stream of messages (forwarding)
     proxy_guard.py   a middleware in Ray's proxy: a stream whose replica died ends with an error event
+    scope_body.py    a small request body read in Ray's proxy and sent to the replica in the request's scope
     metrics_merge.py every replica's Prometheus text as one, labelled by replica
 
 Ray is an optional dependency (the [ray] extra): only app.py, run.py, replica.py, front.py, peers.py and router.py

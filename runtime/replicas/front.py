@@ -12,6 +12,8 @@ The front answers itself only what one replica's app cannot:
     a full queue here (the app's 429): the request is forwarded once to the least-loaded other replica, and the
                  429 sent only if that one refuses too. Ray's loads lag a burst of requests, so the proxy may send
                  a replica more than it holds while another has room
+A small POST body comes inside the request's scope (read by the proxy's middleware, scope_body.py), sparing the
+replica a callback into the proxy; engine:replica_request_bodies_total{via="scope"|"proxy"} counts which way each came.
 Everything else (errors, the API key, admission 429, /health, streaming, cancellation) is the server app's, run here.
 A forwarded stream whose replica dies ends with an error event and [DONE]; one served here is mended the same way by
 the proxy's middleware (proxy_guard.py), as the replica that wrote it is gone.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import uuid
 
+from prometheus_client import Counter
 from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 
@@ -31,6 +34,7 @@ from .asgi_bridge import ForwardedRequest, ResponseStart
 from .metrics_merge import merge_replica_metrics
 from .prefix_key import GENERATION_PATHS, prefix_hashes
 from .proxy_guard import replica_failed
+from .scope_body import receive_with_scope_body
 
 log = logging.getLogger("engine.replicas")
 REPLICA_HEADER = b"x-engine-replica"      # each response names the replica that served it (logs, tests)
@@ -42,10 +46,13 @@ REPLICA_GONE = (ray_errors.RayActorError, ray_errors.WorkerCrashedError, ray_err
 
 
 class ReplicaFront:
-    def __init__(self, app, peers, *, by_prefix: bool, spill: bool, max_body_bytes: int):
+    def __init__(self, app, peers, *, by_prefix: bool, spill: bool, max_body_bytes: int, registry=None):
         self.app, self.peers = app, peers          # peers: peers.Peers
         self.by_prefix, self.spill, self.max_body_bytes = by_prefix, spill, max_body_bytes
         self.header = (REPLICA_HEADER, peers.me.encode())
+        self.bodies = Counter("engine:replica_request_bodies", "POST request bodies by how they reached this "
+                              "replica: in the request's scope, or fetched from Ray's proxy.", ["via"],
+                              registry=registry)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":           # the server app's lifespan is the replica's (replica.py)
@@ -53,6 +60,9 @@ class ReplicaFront:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         method, path = scope["method"], scope["path"]
+        receive, in_scope = receive_with_scope_body(scope, receive)
+        if method == "POST":
+            self.bodies.labels("scope" if in_scope else "proxy").inc()
         if method == "GET" and path == "/metrics":
             return await self._metrics(send)
         if not ((self.by_prefix or self.spill) and method == "POST" and path in GENERATION_PATHS):

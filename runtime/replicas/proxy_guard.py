@@ -1,4 +1,5 @@
-"""A middleware in Ray's HTTP proxy: an event stream that its replica stopped writing (the replica died) ends with
+"""The middlewares of Ray's HTTP proxy: a small request body sent to the replica in the request's scope
+(scope_body.py), and StreamEndGuard: an event stream that its replica stopped writing (the replica died) ends with
 an error event and [DONE], as the server ends its own failed streams, so the client fails at once and knows why,
 instead of reading a cut connection.
 
@@ -17,6 +18,7 @@ from starlette.middleware import Middleware
 
 from ..server.api_errors import APIError
 from ..server.sse import sse_data
+from .scope_body import BodyInScope
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "engine.runtime.replicas.proxy_guard:middlewares"
@@ -61,4 +63,4 @@ async def _end_stream(send) -> None:
 
 def middlewares() -> list[Middleware]:
     """The proxy's middlewares, for RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH."""
-    return [Middleware(StreamEndGuard)]
+    return [Middleware(StreamEndGuard), Middleware(BodyInScope)]

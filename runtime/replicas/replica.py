@@ -51,7 +51,8 @@ class LLMReplica:
         self.peers = Peers(self.id, serve.get_deployment_handle(deployment.name, deployment.app_name),
                            routing.affinity)
         self.front = ReplicaFront(self.server_app, self.peers, by_prefix=routing.by_prefix, spill=routing.spill,
-                                  max_body_bytes=config.server.max_body_bytes)
+                                  max_body_bytes=config.server.max_body_bytes,
+                                  registry=self.server_app.state.server.metrics.registry)
 
     def __serve_build_asgi_app__(self):
         return self.front

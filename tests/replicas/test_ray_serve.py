@@ -5,12 +5,15 @@ Ray's HTTP proxy and the official openai client.
     the API key, errors, and 429 from the replicas themselves once each is at its capacity
     requests that share a prompt prefix land on one replica (forwarded there by the one Ray's proxy chose), whose
     metrics count the prefix-cache hits
+    a small body reaches the replica inside the request's scope (read by the proxy's middleware); a large or chunked
+    one, and one over the server's limit (413), through Ray's callback to the proxy
     a client that goes away frees its request on the replica
     a replica killed (SIGKILL) mid-stream fails only its own streams, at once; the rest finish; Ray restarts it
 The cluster is made once for the module (~15 s) and the kill test runs last.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -98,6 +101,21 @@ def replica_metric(url: str, name: str) -> dict[str, float]:
             if s.name == name}
 
 
+def request_bodies(url: str) -> dict[str, float]:
+    """via ("scope" or "proxy") -> POST bodies the replicas received that way, over all replicas."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.name == "engine:replica_request_bodies_total":
+                out[s.labels["via"]] = out.get(s.labels["via"], 0) + s.value
+    return out
+
+
+def bodies_since(url: str, before: dict[str, float]) -> dict[str, float]:
+    return {via: n - before.get(via, 0) for via, n in request_bodies(url).items() if n - before.get(via, 0)}
+
+
 def test_concurrent_streams_match_a_single_server_and_use_both_replicas(cluster, single_server):
     prompts = [f"Request {i}: " + "tell me about bolts and nuts, " * (i % 4) for i in range(12)]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -153,9 +171,30 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(
     assert after[other] == before.get(other, 0)
 
 
+def test_small_bodies_come_in_the_scope_large_chunked_and_refused_ones_through_the_proxy(cluster):
+    before = request_bodies(cluster)
+    reply = client(cluster).completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2
+    assert bodies_since(cluster, before) == {"scope": 1}
+    before = request_bodies(cluster)
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}).encode()
+    headers = {**AUTH, "content-type": "application/json"}
+
+    def post(content) -> httpx.Response:
+        return httpx.post(cluster + "/v1/completions", content=content, headers=headers, timeout=60)
+    padded = post(body[:-1] + b" " * (65 * 2**10) + b"}")         # JSON's whitespace: over the scope's 64 KiB
+    chunked = post(iter([body[:10], body[10:]]))                  # no Content-Length
+    too_large = post(b" " * (4 * 2**20 + 1))                      # the server's --max-body-bytes
+    assert padded.json()["choices"][0]["text"] == chunked.json()["choices"][0]["text"] == reply.choices[0].text
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+    assert bodies_since(cluster, before) == {"proxy": 3}
+
+
 def test_clients_that_go_away_free_their_requests_on_the_replicas(cluster):
-    """Streams abandoned after their first event are aborted (not run to their end) and their sequences freed."""
+    """Streams abandoned after their first event are aborted (not run to their end) and their sequences freed; their
+    bodies came in the scope, so the app's later receive() (the disconnect) still reaches the proxy."""
     done_before = sum(replica_metric(cluster, "vllm:request_success_total").values())
+    bodies_before = request_bodies(cluster)
     with httpx.Client(timeout=30) as http:
         responses = [http.send(http.build_request("POST", cluster + "/v1/completions", headers=AUTH, json={
             "model": MODEL, "prompt": f"Count {i}:", "max_tokens": LONG, "ignore_eos": True, "stream": True}),
@@ -168,6 +207,7 @@ def test_clients_that_go_away_free_their_requests_on_the_replicas(cluster):
         assert time.monotonic() < deadline, "abandoned requests still run on their replicas"
         time.sleep(0.1)
     assert sum(replica_metric(cluster, "vllm:request_success_total").values()) - done_before < 8
+    assert bodies_since(cluster, bodies_before) == {"scope": 8}
 
 
 def test_a_killed_replica_fails_only_its_streams_and_comes_back(cluster):
