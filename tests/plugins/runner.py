@@ -74,11 +74,19 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-5, a
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
 
 
+# The narrower CPUs the kernels' fallbacks are for: AVX2 (and FMA) without AVX-512, and neither (the plain loops:
+# simd.h takes the AVX2 code only with both AVX2 and FMA, and GCC's -mno-avx2 turns AVX-512 off with it).
+AVX2_ONLY = ("-mno-avx512f",)
+PLAIN = ("-mno-avx2",)
+
+
 def library_without(monkeypatch, tmp_path: Path, *flags: str) -> Path:
-    """The kernel library compiled with `flags` added to the current ones (a narrower CPU's build, e.g.
-    "-mno-avx2") into tmp_path; the ops a test runs after this load it."""
-    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    """The kernel library compiled with `flags` added to the current ones (a narrower CPU's build, e.g. PLAIN), in a
+    cache shared by the test session (the digest covers the flags: each set compiles once, ~20 s on two cores); the
+    ops a test runs after this load it."""
+    shared = tmp_path.parent / "narrower-kernels"   # tmp_path's parent: the session's base temporary directory
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(shared))
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, *flags])
     library = native.library()
-    assert library.is_relative_to(tmp_path)
+    assert library.is_relative_to(shared)
     return library

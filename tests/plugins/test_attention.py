@@ -15,7 +15,7 @@ from engine.core.model_config import RopeConfig
 from engine.plugins.attention import paged_attention, rotary_paged_attention, write_kv
 from engine.plugins.rotary import rotary_tables
 
-from .runner import assert_close, library_without, node_names, run_op
+from .runner import AVX2_ONLY, PLAIN, assert_close, library_without, node_names, run_op
 
 BLOCK = 4   # tokens per block: small, so contexts span many scattered blocks
 
@@ -164,7 +164,7 @@ def test_a_token_gets_the_same_floats_alone_or_beside_others(context):
     np.testing.assert_array_equal(run_op(graph, alone, threads=2)[0], run_op(graph, together, threads=2)[0])
 
 
-@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx2"]], ids=["avx2", "plain"])
+@pytest.mark.parametrize("flags", [AVX2_ONLY, PLAIN], ids=["avx2", "plain"])
 @pytest.mark.parametrize("steps", ["long-decode", "tiles"])
 def test_kernel_on_narrower_cpus_computes_the_same(steps, flags, tmp_path, monkeypatch):
     """The kernel library compiled without AVX-512 (8-lane vectors, as on AVX2-only CPUs) or without AVX2 (plain

@@ -7,7 +7,7 @@ from engine.plugins.graph import Graph
 from engine.plugins import native, quant_matmul
 from engine.plugins.linear import linear
 
-from .runner import assert_close, library_without, run_op
+from .runner import AVX2_ONLY, PLAIN, assert_close, library_without, run_op
 from .test_quant_matmul import mlp_graph, normed_projection_of
 
 pytestmark = pytest.mark.skipif(not native.has_int8_dot(), reason="float32 tiles run where the CPU has AVX2 or "
@@ -51,12 +51,12 @@ def test_pack_float_lays_out_tiles_of_16_columns():
     np.testing.assert_array_equal(tiles[2, :, 8:], 0)   # zero columns fill the last tile
 
 
-@pytest.mark.parametrize("without", ["-mno-avx512f", "-mno-avx2"])   # the AVX2 code; the plain loops
+@pytest.mark.parametrize("without", [AVX2_ONLY, PLAIN], ids=["avx2", "plain"])
 def test_narrower_cpus_compute_the_same(tmp_path, monkeypatch, without):
     x = np.random.default_rng(2).standard_normal((13, 99)).astype(np.float32)
     w = weight(40, 99, 3)
     vector = float_op(x, w)
-    library_without(monkeypatch, tmp_path, without)
+    library_without(monkeypatch, tmp_path, *without)
     narrower = float_op(x, w)
     assert_close(narrower, vector, rtol=1e-5, atol=1e-5 * float(np.abs(vector).max()))
 

@@ -12,7 +12,7 @@ from engine.plugins.graph import ENGINE_DOMAIN
 from engine.plugins import gguf_tiles, native
 from engine.quantization.gguf_blocks import decode
 
-from .runner import library_without, run_op
+from .runner import AVX2_ONLY, PLAIN, library_without, run_op
 
 KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # bytes of one K-quant block of 256 and where its float16 scales are (llama.cpp's block_q*_K)
@@ -85,7 +85,7 @@ def test_stored_bytes_are_the_packed_size():
 
 
 @needs_int8_dot
-@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "plain"])
+@pytest.mark.parametrize("flags", [AVX2_ONLY, PLAIN], ids=["avx2", "plain"])
 def test_narrower_cpus_compute_the_same(monkeypatch, tmp_path, flags):
     library_without(monkeypatch, tmp_path, *flags)
     for kind in ("Q5_0", "Q4_K", "Q5_K", "Q6_K"):

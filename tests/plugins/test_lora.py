@@ -5,10 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from engine.plugins import native
 from engine.plugins.lora import lora_add, lora_add_numpy
 
-from .runner import assert_close, library_without, run_op
+from .runner import PLAIN, assert_close, library_without, run_op
 
 K, N, SLOTS, RANK = 40, 56, 4, 3
 COLUMNS = [0, 24, 24, 40, 40, 56]    # three row blocks: q | k | v of a qkv projection
@@ -89,7 +88,7 @@ def test_kernel_token_alone_equals_token_in_batch():
 
 
 def test_kernel_without_avx2(monkeypatch, tmp_path):
-    library_without(monkeypatch, tmp_path, "-mno-avx2", "-mno-fma", "-mno-avx512f")
+    library_without(monkeypatch, tmp_path, *PLAIN)
     f = feeds(np.random.default_rng(3), 9)
     assert_close(run(f, kernel=True), lora_add_numpy(*f.values(), COLUMNS), rtol=1e-4, atol=1e-4)
     b = as_bf16(f)

@@ -13,7 +13,7 @@ from engine.quantization.weight_only import (QuantizedWeight, WeightOnlyScheme, 
                                              unpack)
 
 from .bf16_reference import reference_bf16
-from .runner import assert_close, library_without, run_op
+from .runner import PLAIN, assert_close, library_without, run_op
 
 
 def q4_1_weight(n: int, k: int, seed: int) -> QuantizedWeight:
@@ -112,14 +112,14 @@ def test_pack_round_trips(weight):
         np.testing.assert_allclose(m + 8 * d, q.offsets, rtol=2**-22, atol=0)
 
 
-@pytest.mark.parametrize("without", ["-mno-avx512vnni", "-mno-avx2"])   # the AVX2 tiles; the plain loops
+@pytest.mark.parametrize("without", [("-mno-avx512vnni",), PLAIN], ids=["avx2", "plain"])   # AVX2 tiles; plain loops
 def test_narrower_cpus_compute_the_same(tmp_path, monkeypatch, without):
     """The kernel library compiled for a CPU without AVX-512 VNNI, or without AVX2 too, computes the same as the
     vector code of this one: every weight kind, a row group of 4 and a short one, a partial last tile."""
     x = np.random.default_rng(11).standard_normal((6, 256)).astype(np.float32)
     weights = [WEIGHTS[name](40, 256) for name in sorted(WEIGHTS)]
     vector = [quant_matmul_op(x, q) for q in weights]
-    library_without(monkeypatch, tmp_path, without)
+    library_without(monkeypatch, tmp_path, *without)
     narrower = [quant_matmul_op(x, q) for q in weights]
     for a, b in zip(narrower, vector):
         assert_close(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
