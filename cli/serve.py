@@ -109,7 +109,6 @@ def serve_command(
 ):
     """Serve one engine or several (routed by `model`) over HTTP with the OpenAI API (completions, chat, models,
     metrics)."""
-    from engine.runtime import LLM
     from engine.runtime.server.app import create_app, run_server
     from engine.runtime.server.config import ServerConfig
     from engine.runtime.server.http_limits import HTTPLimits
@@ -144,27 +143,32 @@ def serve_command(
     if serve_rank_if_worker(config.engine_dir, distributed, threads):  # torchrun-style rank > 0: rank 0 serves
         return 0
     rank_failure = StopOnRankFailure()
-
-    def loader(name: str, engine_dir: Path):
-        kept = {}   # the first load's Tokenizer, for reloads: parsing tokenizer.json stalls the other models' streams
-
-        def load():
-            llm = LLM(engine_dir, kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens,
-                      threads=threads, scheduling_policy=scheduling_policy, stream_interval=stream_interval,
-                      distributed=distributed, speculative_config=speculation, tokenizer=kept.get("tokenizer"),
-                      lora_config=adapters.lora_config(name) if adapters else None)
-            kept["tokenizer"] = llm.tokenizer
-            rank_failure.attach(llm)
-            return llm
-        return load
-
-    app = create_app(config, load={m.name: loader(m.name, m.engine_dir) for m in config.models}, adapters=adapters)
+    llm_options = dict(kv_cache_mem_fraction=kv_cache_mem_fraction, max_kv_tokens=max_kv_tokens, threads=threads,
+                       scheduling_policy=scheduling_policy, stream_interval=stream_interval, distributed=distributed,
+                       speculative_config=speculation)
+    load = {m.name: _loader(m.name, m.engine_dir, llm_options, adapters, rank_failure) for m in config.models}
+    app = create_app(config, load=load, adapters=adapters)
     rc = run_server(app, config, log_level=log_level)
     if rank_failure.message is not None:
         raise EngineError(rank_failure.message)
     if rc:
         raise EngineError(f"the engine failed to load: {app.state.server.load_error}")
     return rc
+
+
+def _loader(name: str, engine_dir: Path, llm_options: dict, adapters, rank_failure: StopOnRankFailure):
+    """Model `name`'s load(): an LLM of `engine_dir` with the serve flags and its LoRA adapters' settings. Reloads
+    keep the first load's Tokenizer: parsing tokenizer.json would stall the other models' streams."""
+    from engine.runtime import LLM
+    kept = {}
+
+    def load():
+        llm = LLM(engine_dir, tokenizer=kept.get("tokenizer"),
+                  lora_config=adapters.lora_config(name) if adapters else None, **llm_options)
+        kept["tokenizer"] = llm.tokenizer
+        rank_failure.attach(llm)
+        return llm
+    return load
 
 
 def _check_flags(port: int, stream_interval: int, threads: int | None, log_level: str, api_key: str | None) -> None:

@@ -9,9 +9,7 @@
 
 The engine core is single-threaded. Sync calls (generate, chat, stream) drive it in the calling thread; the
 async API starts one background engine thread, and from then on every call (sync ones too) submits requests to
-that thread through a locked inbox, so requests from any thread batch together. Outputs go back through
-per-request sinks (an asyncio queue, handed a step's outputs for its event loop in one
-call_soon_threadsafe; or a plain queue).
+that thread, so requests from any thread batch together (engine_thread.py).
 
 Limits are checked when a request is made, before it queues: an empty prompt or one that leaves no room under
 max_input_len / max_seq_len, or a non-zero priority under the fcfs policy, raises EngineError naming the limit;
@@ -24,16 +22,16 @@ import concurrent.futures
 import itertools
 import logging
 import queue
-import threading
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator, Sequence as Seq, Union
+from typing import AsyncIterator, Iterator, Sequence as Seq, Union
 
 from engine.core.errors import EngineError
 
 from .engine_core import EngineCore, check_stream_interval
 from .engine_dir import load_engine_config
 from .kv_budget import DEFAULT_KV_CACHE_MEM_FRACTION, KVPlan, plan_kv_cache
-from .loop_sink import LoopSink, dispatch
+from .engine_thread import EngineLoopStopped, EngineThread
+from .loop_sink import LoopSink
 from .lora import LoraConfig, LoraManager
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
@@ -46,15 +44,9 @@ from .structured import GrammarBackend
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("engine.runtime")
-
-
-class EngineLoopStopped(RuntimeError):
-    """The background engine thread died (a bug, not bad input): every request in flight gets it, and so does
-    every later one; only a new LLM runs again. The server answers 500 for the requests in flight, 503 after."""
-
+__all__ = ["LLM", "EngineLoopStopped"]
 
 Prompt = Union[str, Seq[int]]          # text, or token ids used as they are
-Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
 
 class LLM:
@@ -74,8 +66,9 @@ class LLM:
     dict or lora.LoraConfig: max_loras, max_lora_rank, max_cpu_loras, modules) serves LoRA adapters on an engine
     built with --lora-target-modules; `self.loras` adds and removes them, requests name one (lora=).
     `max_sequences`: the most sequences this LLM will run at once when fewer than max_batch_size (`engine run`
-    knows its prompts); the pool is then no larger than they can use. `tokenizer`: this engine's Tokenizer, already loaded (a server that
-    reloads an engine keeps it: parsing tokenizer.json holds the GIL, stalling the server's other streams)."""
+    knows its prompts); the pool is then no larger than they can use. `tokenizer`: this engine's Tokenizer, already
+    loaded (a server that reloads an engine keeps it: parsing tokenizer.json holds the GIL, stalling the server's
+    other streams)."""
 
     def __init__(self, engine_dir: Path | str, *, kv_cache_mem_fraction: float = DEFAULT_KV_CACHE_MEM_FRACTION,
                  max_kv_tokens: int | None = None, threads: int | None = None,
@@ -145,13 +138,7 @@ class LLM:
                                speculator=make_speculator(speculative, self.config, self.tokenizer, threads),
                                grammars=self.grammars, loras=self.loras)
         self._ids = itertools.count()
-        self._cond = threading.Condition()
-        self._inbox: list[tuple[str, object]] = []
-        self._sinks: dict[str, Sink] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._failure: str | None = None   # EngineLoopStopped's message, once the engine loop has died
-        self._drive_lock = threading.Lock()   # one inline driver at a time
+        self.engine_thread = EngineThread(self.core)
 
     # ---- making requests ---------------------------------------------------------------------------------
 
@@ -227,34 +214,24 @@ class LLM:
         seqs = [self.make_sequence(p, sp, priority=pr, lora=lo) for p, sp, pr, lo in zip(prompts, *each)]
         if request_ids is not None:
             request_ids.extend(s.request_id for s, _ in seqs)
+        if not self.engine_thread.started():
+            yield from self.engine_thread.drive(seqs)
+            return
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         pending = {s.request_id for s, _ in seqs}
-        with self._cond:
-            threaded = self._thread is not None
-        if threaded:
-            for seq, text in seqs:
-                self._submit(seq, text, inbox.put)
-            try:
-                while pending:
-                    item = inbox.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item.finished:
-                        pending.discard(item.request_id)
-                    yield item
-            finally:
-                for rid in pending:
-                    self.abort(rid)
-            return
-        with self._drive_lock:
-            for seq, text in seqs:
-                self.core.add_request(seq, text)
-            try:
-                while self.core.has_unfinished():
-                    yield from self.core.step()
-            finally:
-                for rid in list(self.core.requests):  # the caller stopped early, or a step failed
-                    self.core.abort(rid)
+        for seq, text in seqs:
+            self.engine_thread.submit(seq, text, inbox.put)
+        try:
+            while pending:
+                item = inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    pending.discard(item.request_id)
+                yield item
+        finally:
+            for rid in pending:
+                self.abort(rid)
 
     # ---- async API (background engine thread) ------------------------------------------------------------
 
@@ -278,19 +255,7 @@ class LLM:
 
     def snapshot(self, timeout: float = 60.0) -> list[SequenceState]:
         """The resumable state (sequence_state.py) of every request in flight, taken between two engine steps."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            threaded = self._thread is not None
-            if threaded:
-                self._inbox.append(("snapshot", done))
-                self._cond.notify()
-        if not threaded:
-            with self._drive_lock:
-                return self.core.snapshot()
-        try:
-            return done.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise EngineError(f"the engine loop did not answer a snapshot within {timeout} s") from None
+        return self.engine_thread.snapshot(timeout)
 
     async def _run_async(self, seq: Sequence, text: str | None) -> AsyncIterator[RequestOutput]:
         import asyncio  # here, not at the top: `engine run` never needs it, and it costs ~70 ms of cold start
@@ -298,7 +263,7 @@ class LLM:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self.start()
-        self._submit(seq, text, LoopSink(loop, q))
+        self.engine_thread.submit(seq, text, LoopSink(loop, q))
         finished = False
         try:
             while not finished:
@@ -313,111 +278,18 @@ class LLM:
 
     def start(self) -> None:
         """Start the background engine thread (idempotent)."""
-        with self._cond:
-            if self._thread is not None:
-                return
-            self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-            self._thread.start()
+        self.engine_thread.start()
 
     def is_running(self) -> bool:
         """Whether the background engine thread is alive (False before start() and after it died or closed)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        return self.engine_thread.is_running()
 
     def abort(self, request_id: str) -> None:
-        with self._cond:
-            if self._thread is not None:
-                self._inbox.append(("abort", request_id))
-                self._cond.notify()
-                return
-        self.core.abort(request_id)
+        self.engine_thread.abort(request_id)
 
     def close(self) -> None:
         """Stop the background thread; requests still in flight end with finish_reason "abort"."""
-        with self._cond:
-            thread, self._stopping = self._thread, True
-            self._cond.notify()
-        if thread is not None:
-            thread.join()
-        self._thread = None
-
-    def _submit(self, seq: Sequence, text: str | None, sink: Sink) -> None:
-        with self._cond:
-            if self._failure is not None:
-                raise EngineLoopStopped(self._failure)
-            if seq.request_id in self._sinks:
-                raise EngineError(f"request id {seq.request_id!r} is already in flight; use a unique id")
-            self._sinks[seq.request_id] = sink
-            self._inbox.append(("add", (seq, text)))
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        # The thread owns the core for its lifetime; it first waits for an inline driver (a sync call that
-        # began before start()) to finish.
-        with self._drive_lock:
-            try:
-                self._run_loop()
-            except BaseException as e:  # a bug in a step's hand-over: fail every reader, rather than hang it
-                log.exception("the engine loop stopped")
-                with self._cond:
-                    self._failure = f"the engine loop stopped ({e!r}); start a new LLM"
-                    sinks, self._sinks = self._sinks, {}
-                for sink in sinks.values():
-                    sink(EngineLoopStopped(self._failure))
-
-    def _run_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._inbox and not self.core.has_unfinished() and not self._stopping:
-                    self._cond.wait()
-                commands, self._inbox = self._inbox, []
-                stopping = self._stopping
-            outputs = []
-            for kind, arg in commands:
-                if kind == "add":
-                    try:
-                        self.core.add_request(*arg)
-                    except EngineError as e:
-                        with self._cond:
-                            sink = self._sinks.pop(arg[0].request_id, None)
-                        if sink is not None:
-                            sink(e)
-                elif kind == "snapshot":
-                    arg.set_result(self.core.snapshot())
-                else:
-                    out = self.core.abort(arg)
-                    if out is not None:
-                        outputs.append(out)
-            try:
-                if stopping:
-                    outputs += [o for rid in list(self.core.requests) if (o := self.core.abort(rid))]
-                elif self.core.has_unfinished():
-                    outputs += self.core.step()
-            except Exception as e:  # a failed step fails every request in flight, not the thread
-                log.exception("engine step failed")
-                for rid in list(self.core.requests):
-                    self.core.abort(rid)
-                with self._cond:
-                    sinks, self._sinks = self._sinks, {}
-                for sink in sinks.values():
-                    sink(e)
-                continue
-            self._dispatch(outputs)
-            if stopping:
-                return
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        with self._cond:
-            sinks = [(self._sinks.get(o.request_id), o) for o in outputs]
-            for o in outputs:
-                if o.finished:
-                    self._sinks.pop(o.request_id, None)
-        for rid in dispatch(sinks):   # nobody reads these any more: their event loop closed
-            log.warning("request %s aborted: the event loop reading it has closed", rid)
-            with self._cond:
-                self._sinks.pop(rid, None)
-            self.core.abort(rid)
+        self.engine_thread.close()
 
     def check_all_free(self) -> None:
         """AssertionError unless no request is in flight and every KV block is back in the pool."""

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.core.errors import EngineError
 
-from ..llm import EngineLoopStopped
+from ..engine_thread import EngineLoopStopped
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ModelMetrics
@@ -362,7 +362,7 @@ class OpenAIServing:
                 yield chunk([], usage=self.usage(prep, finals))
         except APIError as e:
             yield sse_data(e.body())
-        except Exception as e:  # noqa: BLE001 - the stream has begun: report in-band, never drop silently
+        except Exception:  # noqa: BLE001 - the stream has begun: report in-band, never drop silently
             log.exception("stream %s failed", prep.id)
             yield sse_data(internal_error(prep.id).body())
         yield "data: [DONE]\n\n"

@@ -246,7 +246,7 @@ def test_a_stream_whose_event_loop_closed_unread_costs_only_its_request(llm):
 
 def test_an_engine_loop_that_dies_fails_its_readers_instead_of_hanging_them(tiny_engine, monkeypatch):
     llm = LLM(tiny_engine[1], max_kv_tokens=8 * 64)
-    monkeypatch.setattr(llm, "_dispatch", lambda outputs: 1 / 0)
+    monkeypatch.setattr(llm.engine_thread, "_dispatch", lambda outputs: 1 / 0)
     llm.start()
     with pytest.raises(EngineLoopStopped, match="the engine loop stopped .*ZeroDivisionError"):
         llm.generate(prompts((5,)), GREEDY)
