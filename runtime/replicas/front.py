@@ -34,7 +34,7 @@ from .asgi_bridge import ForwardedRequest, ResponseStart
 from .metrics_merge import merge_replica_metrics
 from .prefix_key import GENERATION_PATHS, prefix_hashes
 from .proxy_guard import replica_failed
-from .scope_body import receive_with_scope_body
+from .scope_body import body_message, receive_with_scope_body, replayed
 
 log = logging.getLogger("engine.replicas")
 REPLICA_HEADER = b"x-engine-replica"      # each response names the replica that served it (logs, tests)
@@ -72,7 +72,9 @@ class ReplicaFront:
         if owner is not None and await self._forwarded(scope, body, owner, send):
             return
         held = []       # the app's 429 for a full queue, kept while another replica is asked
-        await self.app(scope, _replay(body, receive), self._send_here(send, held if self.spill else None))
+        # the body already read, then the proxy's own receive (a disconnect, when the client leaves)
+        await self.app(scope, replayed([body_message(body)], receive),
+                       self._send_here(send, held if self.spill else None))
         if held and not await self._forwarded(scope, body, None, send):
             for message in held:
                 await send(message)
@@ -163,19 +165,6 @@ async def _read_body(receive, limit: int) -> bytes:
         size += len(chunks[-1])
         more = message.get("more_body", False)
     return b"".join(chunks)[:limit + 1]
-
-
-def _replay(body: bytes, receive):
-    """`receive` for the app: the body already read, then the proxy's own (a disconnect, when the client leaves)."""
-    sent = False
-
-    async def replayed():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-    return replayed
 
 
 def _cancel(stream) -> None:

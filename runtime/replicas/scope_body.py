@@ -37,8 +37,8 @@ class BodyInScope:
         if complete:
             body = b"".join(m.get("body", b"") for m in read)
             scope = {**scope, SCOPE_KEY: body}
-            read = [{"type": "http.request", "body": body, "more_body": False}]
-        await self.app(scope, _replayed(read, receive), send)
+            read = [body_message(body)]
+        await self.app(scope, replayed(read, receive), send)
 
 
 def receive_with_scope_body(scope, receive):
@@ -46,18 +46,18 @@ def receive_with_scope_body(scope, receive):
     body = scope.pop(SCOPE_KEY, None)
     if body is None:
         return receive, False
-    sent = False
 
-    async def scoped():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def after_body():
         while True:
             message = await receive()
             if message["type"] != "http.request":     # an http.request here is the proxy's replay of the body
                 return message
-    return scoped, True
+    return replayed([body_message(body)], after_body), True
+
+
+def body_message(body: bytes) -> dict:
+    """A whole request body as one ASGI http.request message."""
+    return {"type": "http.request", "body": body, "more_body": False}
 
 
 def _small_body(headers, max_bytes: int) -> bool:
@@ -71,12 +71,12 @@ def _small_body(headers, max_bytes: int) -> bool:
     return not chunked and length is not None and length.isdigit() and int(length) <= max_bytes
 
 
-def _replayed(messages: list, receive):
-    """`receive` that gives `messages` first, then the client's own."""
+def replayed(messages: list, receive):
+    """An ASGI receive that gives `messages` first, then what `receive` gives."""
     pending = list(messages)
 
-    async def replayed():
+    async def next_message():
         if pending:
             return pending.pop(0)
         return await receive()
-    return replayed
+    return next_message
